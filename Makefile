@@ -1,0 +1,29 @@
+# The README's two commands. Both create .venv if missing and install with torch pinned (constraints.txt).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+RECIPE ?= recipes/tiny/qwen3_moe_tiny.yaml
+NPROC ?= 2
+ARGS ?=
+
+.PHONY: run test lint install clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m nemo_ac.train $(RECIPE) $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check nemo_ac tests benchmarks
+	$(VENV)/bin/ruff format --check nemo_ac tests benchmarks
+
+test: lint
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,84 @@
+"""``nemo-ac`` console script: train (launches torchrun for you), validate (no training)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from nemo_ac.config import ConfigError, check_environment, load_recipe, validate_recipe
+
+
+def _validate(args: argparse.Namespace) -> int:
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        layout = validate_recipe(recipe, world_size=args.world_size, source=args.recipe)
+        if args.check_env:
+            import torch
+
+            missing = check_environment(recipe, cuda_available=torch.cuda.is_available())
+            if missing:
+                raise ConfigError(missing, source=args.recipe)
+    except ConfigError as exc:
+        print(f"nemo-ac validate: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{args.recipe}: OK at world size {layout.world_size}: dp_replicate {layout.dp_replicate} x dp_shard "
+        f"{layout.dp_shard} x cp {layout.cp} ({recipe.parallel.cp_type}), ep {layout.ep} x ep_shard {layout.ep_shard}"
+    )
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    world_size = args.nproc_per_node * args.nnodes
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        validate_recipe(recipe, world_size=world_size, source=args.recipe)
+    except ConfigError as exc:
+        print(f"nemo-ac train: {exc}", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}"]
+    if args.nnodes == 1:
+        command.append("--standalone")
+    else:
+        command += [f"--nnodes={args.nnodes}", f"--rdzv-endpoint={args.rdzv_endpoint}", "--rdzv-backend=c10d"]
+    if args.max_restarts:
+        command.append(f"--max-restarts={args.max_restarts}")
+    command += ["-m", "nemo_ac.train", args.recipe, *args.overrides]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.call(command, env=env)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nemo-ac")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="launch torchrun on a recipe")
+    train.add_argument("recipe")
+    train.add_argument("overrides", nargs="*")
+    train.add_argument("--nproc-per-node", type=int, default=1)
+    train.add_argument("--nnodes", type=int, default=1)
+    train.add_argument("--rdzv-endpoint", default="localhost:29400")
+    train.add_argument("--max-restarts", type=int, default=0)
+    train.set_defaults(func=_train)
+
+    validate = sub.add_parser("validate", help="check a recipe for a world size without training")
+    validate.add_argument("recipe")
+    validate.add_argument("overrides", nargs="*")
+    validate.add_argument("--world-size", type=int, required=True)
+    validate.add_argument("--check-env", action="store_true", help="also require the optional extras it names")
+    validate.set_defaults(func=_validate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else list(argv))
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

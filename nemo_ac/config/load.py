@@ -1,0 +1,172 @@
+"""Load a YAML recipe with omegaconf, merge ``key=value`` overrides, convert to the typed schema.
+
+Conversion walks the dataclasses in ``schema`` key by key and collects every problem into one ``ConfigError``:
+unknown keys (with the closest valid key), wrong types, values outside a ``Literal``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from nemo_ac.config.errors import ConfigError, ConfigIssue, did_you_mean
+from nemo_ac.config.schema import RecipeConfig
+
+_MISSING = object()
+
+
+def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> RecipeConfig:
+    """Recipe file + dotlist overrides -> typed ``RecipeConfig`` (not yet cross-validated)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(ConfigIssue("", f"recipe file '{path}' does not exist"))
+    try:
+        base = OmegaConf.load(path)
+    except (OmegaConfBaseException, OSError, ValueError) as exc:  # YAML syntax errors surface as ValueError subclasses
+        raise ConfigError(ConfigIssue("", f"cannot parse {path}: {exc}"), source=str(path)) from exc
+    if not isinstance(base, DictConfig):
+        raise ConfigError(ConfigIssue("", "a recipe must be a mapping of sections"), source=str(path))
+    merged = merge_overrides(base, overrides, source=str(path))
+    return recipe_from_container(merged, source=str(path))
+
+
+def merge_overrides(base: DictConfig, overrides: typing.Sequence[str], *, source: str | None = None) -> DictConfig:
+    bad = [item for item in overrides if "=" not in item]
+    if bad:
+        issues = [ConfigIssue(item, "override must look like 'section.key=value'") for item in bad]
+        raise ConfigError(issues, source=source)
+    # Hydra users write "+key=value" to add a key; every key can be set here, so the "+" is accepted and dropped.
+    dotlist = [item[1:] if item.startswith("+") else item for item in overrides]
+    try:
+        return typing.cast(DictConfig, OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist)))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(ConfigIssue("", f"cannot apply overrides {list(overrides)}: {exc}"), source=source) from exc
+
+
+def recipe_from_container(data: DictConfig | dict[str, Any], *, source: str | None = None) -> RecipeConfig:
+    if isinstance(data, DictConfig):
+        try:
+            data = typing.cast(dict[str, Any], OmegaConf.to_container(data, resolve=True))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(ConfigIssue("", f"cannot resolve interpolations: {exc}"), source=source) from exc
+    issues: list[ConfigIssue] = []
+    recipe = _convert(RecipeConfig, data, "", issues)
+    if issues:
+        raise ConfigError(issues, source=source)
+    return typing.cast(RecipeConfig, recipe)
+
+
+def to_dict(recipe: RecipeConfig) -> dict[str, Any]:
+    """Plain-dict form (for logging the resolved recipe into the run directory)."""
+    return dataclasses.asdict(recipe)
+
+
+def to_yaml(recipe: RecipeConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(recipe)))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# conversion
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _describe(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return "a mapping (section)"
+    if _is_optional(tp):
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        return " or ".join(_describe(a) for a in inner) + " or null"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _is_optional(tp: Any) -> bool:
+    return get_origin(tp) in (typing.Union, types.UnionType) and type(None) in get_args(tp)
+
+
+def _convert(tp: Any, value: Any, key: str, issues: list[ConfigIssue]) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _convert_dataclass(typing.cast(type, tp), value, key, issues)
+    if _is_optional(tp):
+        if value is None:
+            return None
+        (inner,) = [a for a in get_args(tp) if a is not type(None)]
+        return _convert(inner, value, key, issues)
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        hint = did_you_mean(str(value), [str(c) for c in choices]) if isinstance(value, str) else ""
+        issues.append(ConfigIssue(key, f"{value!r} is not valid; choose one of {list(choices)}.{hint}"))
+        return _MISSING
+    if origin is list:
+        if not isinstance(value, list | ListConfig):
+            issues.append(ConfigIssue(key, f"expected a list, got {value!r}"))
+            return _MISSING
+        (item_tp,) = get_args(tp)
+        return [_convert(item_tp, item, f"{key}[{i}]", issues) for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            issues.append(ConfigIssue(key, f"expected a mapping, got {value!r}"))
+            return _MISSING
+        return dict(value)
+    if tp is Any:
+        return value
+    return _convert_scalar(tp, value, key, issues)
+
+
+def _convert_scalar(tp: Any, value: Any, key: str, issues: list[ConfigIssue]) -> Any:
+    ok = False
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+    elif tp is str:
+        ok = isinstance(value, str)
+    if not ok:
+        issues.append(ConfigIssue(key, f"expected {_describe(tp)}, got {value!r} ({type(value).__name__})"))
+        return _MISSING
+    return value
+
+
+def _convert_dataclass(cls: type, value: Any, key: str, issues: list[ConfigIssue]) -> Any:
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        issues.append(ConfigIssue(key or "<root>", f"expected a mapping (section), got {value!r}"))
+        return cls()
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for name in value:
+        if name not in known:
+            where = f"'{key}'" if key else "the recipe root"
+            issues.append(
+                ConfigIssue(
+                    _join(key, str(name)),
+                    f"unknown key.{did_you_mean(str(name), known, prefix=key)} Valid keys in {where}: {', '.join(known)}",
+                )
+            )
+    kwargs: dict[str, Any] = {}
+    for name in known:
+        if name in value:
+            converted = _convert(hints[name], value[name], _join(key, name), issues)
+            if converted is not _MISSING:
+                kwargs[name] = converted
+    return cls(**kwargs)

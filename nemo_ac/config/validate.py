@@ -1,0 +1,432 @@
+"""Cross-field rules: impossible combinations fail here, before any process group starts.
+
+Each rule is a small function ``rule(recipe, world_size) -> list[ConfigIssue]`` in ``RULES``; every message names
+the key, the bad value and what would work. ``validate_recipe`` runs them all and resolves the parallel layout.
+``check_environment`` separately verifies that optional extras a recipe asks for are importable (run by the
+trainer before ``init_process_group``; ``nemo-ac validate --check-env`` runs it on demand).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.config.schema import RecipeConfig
+
+# _target_ extension points may only name callables under these module prefixes.
+TARGET_ALLOWLIST = ("torch.optim.", "nemo_ac.")
+
+# Families whose mixers are not softmax attention everywhere (ring CP cannot pass their recurrent state).
+_LAYER_PATTERN_CHARS = {"nemotron_h": set("M*E-"), "qwen3_5_moe": set("LA")}
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The resolved degrees. Dense params shard over dp_shard*cp; experts over ep x ep_shard."""
+
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    ep: int
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def ep_shard(self) -> int:
+        """FSDP degree of expert params: what is left of dp_shard*cp after ep."""
+        return self.dp_shard * self.cp // self.ep
+
+
+Rule = Callable[[RecipeConfig, int], list[ConfigIssue]]
+
+
+def resolve_dp_shard(recipe: RecipeConfig, world_size: int) -> int:
+    par = recipe.parallel
+    if par.dp_shard != -1:
+        return par.dp_shard
+    denominator = max(par.dp_replicate, 1) * max(par.cp, 1)
+    return world_size // denominator if world_size % denominator == 0 else -1
+
+
+def check_parallel_sizes(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
+    par = recipe.parallel
+    issues = []
+    for name in ("dp_replicate", "cp", "ep"):
+        if getattr(par, name) < 1:
+            issues.append(ConfigIssue(f"parallel.{name}", f"must be >= 1, got {getattr(par, name)}"))
+    if par.dp_shard == 0 or par.dp_shard < -1:
+        issues.append(ConfigIssue("parallel.dp_shard", f"must be >= 1 or -1 (the rest), got {par.dp_shard}"))
+    if issues:
+        return issues
+    dp_shard = resolve_dp_shard(recipe, world_size)
+    if dp_shard == -1:
+        return [
+            ConfigIssue(
+                "parallel.dp_shard",
+                f"world size {world_size} is not divisible by dp_replicate*cp = {par.dp_replicate}*{par.cp}; "
+                f"launch a multiple of {par.dp_replicate * par.cp} processes or change parallel.cp/dp_replicate",
+            )
+        ]
+    product = par.dp_replicate * dp_shard * par.cp
+    if product != world_size:
+        return [
+            ConfigIssue(
+                "parallel",
+                f"dp_replicate*dp_shard*cp = {par.dp_replicate}*{dp_shard}*{par.cp} = {product} must equal the world "
+                f"size {world_size}; set parallel.dp_shard=-1 to use the rest",
+            )
+        ]
+    if (dp_shard * par.cp) % par.ep != 0:
+        return [
+            ConfigIssue(
+                "parallel.ep",
+                f"ep={par.ep} must divide dp_shard*cp = {dp_shard}*{par.cp} = {dp_shard * par.cp} "
+                "(experts borrow their ranks from dp_shard x cp)",
+            )
+        ]
+    return []
+
+
+def check_experts(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
+    moe = recipe.model.moe
+    issues = []
+    if moe.num_experts < 1:
+        issues.append(ConfigIssue("model.moe.num_experts", f"must be >= 1, got {moe.num_experts}"))
+        return issues
+    if recipe.parallel.ep >= 1 and moe.num_experts % recipe.parallel.ep != 0:
+        issues.append(
+            ConfigIssue(
+                "model.moe.num_experts",
+                f"{moe.num_experts} experts cannot be split over parallel.ep={recipe.parallel.ep}; "
+                "num_experts must be a multiple of ep",
+            )
+        )
+    if not 1 <= moe.num_experts_per_tok <= moe.num_experts:
+        issues.append(
+            ConfigIssue(
+                "model.moe.num_experts_per_tok",
+                f"{moe.num_experts_per_tok} must be between 1 and num_experts={moe.num_experts}",
+            )
+        )
+    if moe.n_group < 1 or moe.num_experts % moe.n_group != 0:
+        issues.append(
+            ConfigIssue("model.moe.n_group", f"{moe.n_group} must be >= 1 and divide num_experts={moe.num_experts}")
+        )
+    elif not 1 <= moe.topk_group <= moe.n_group:
+        issues.append(ConfigIssue("model.moe.topk_group", f"{moe.topk_group} must be between 1 and n_group"))
+    if recipe.parallel.ep > 1 and recipe.backend.dispatcher == "torch" and not moe.separate_fsdp_unit:
+        issues.append(
+            ConfigIssue(
+                "model.moe.separate_fsdp_unit",
+                "expert parallel shards experts on their own mesh; they must be a separate FSDP unit (set true)",
+            )
+        )
+    return issues
+
+
+def check_model_shape(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
+    m = recipe.model
+    issues = []
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        if getattr(m, name) < 1:
+            issues.append(ConfigIssue(f"model.{name}", f"must be >= 1, got {getattr(m, name)}"))
+    if issues:
+        return issues
+    if m.num_attention_heads % m.num_key_value_heads != 0:
+        issues.append(
+            ConfigIssue(
+                "model.num_key_value_heads",
+                f"{m.num_key_value_heads} must divide num_attention_heads={m.num_attention_heads} (GQA groups)",
+            )
+        )
+    if not 0 <= m.first_k_dense_replace <= m.num_layers:
+        issues.append(
+            ConfigIssue("model.first_k_dense_replace", f"{m.first_k_dense_replace} must be in [0, num_layers]")
+        )
+    if not 0.0 < m.partial_rotary_factor <= 1.0:
+        issues.append(ConfigIssue("model.partial_rotary_factor", f"{m.partial_rotary_factor} must be in (0, 1]"))
+    allowed = _LAYER_PATTERN_CHARS.get(m.family)
+    if m.layer_pattern:
+        if allowed is None:
+            issues.append(ConfigIssue("model.layer_pattern", f"family {m.family!r} takes no layer_pattern"))
+        elif set(m.layer_pattern) - allowed:
+            issues.append(
+                ConfigIssue(
+                    "model.layer_pattern",
+                    f"{m.layer_pattern!r} has characters {sorted(set(m.layer_pattern) - allowed)}; "
+                    f"family {m.family} allows {sorted(allowed)}",
+                )
+            )
+        elif len(m.layer_pattern) != m.num_layers:
+            issues.append(
+                ConfigIssue(
+                    "model.layer_pattern",
+                    f"has {len(m.layer_pattern)} layers but model.num_layers={m.num_layers}",
+                )
+            )
+    return issues
+
+
+def check_context_parallel(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
+    par, m, data = recipe.parallel, recipe.model, recipe.data
+    if par.cp <= 1:
+        return []
+    issues = []
+    if par.cp_type == "ulysses":
+        if m.num_attention_heads % par.cp != 0:
+            issues.append(
+                ConfigIssue(
+                    "parallel.cp",
+                    f"ulysses CP splits attention heads: num_attention_heads={m.num_attention_heads} must be "
+                    f"divisible by cp={par.cp}",
+                )
+            )
+        kv = m.num_key_value_heads
+        if kv % par.cp != 0 and par.cp % kv != 0:
+            issues.append(
+                ConfigIssue(
+                    "parallel.cp",
+                    f"ulysses CP needs num_key_value_heads={kv} divisible by cp={par.cp} or cp divisible by it "
+                    "(kv heads are replicated when fewer than cp)",
+                )
+            )
+    else:
+        hybrid = m.family in ("nemotron_h", "qwen3_5_moe")
+        if hybrid:
+            issues.append(
+                ConfigIssue(
+                    "parallel.cp_type",
+                    f"ring CP passes K/V blocks of softmax attention; family {m.family} has recurrent "
+                    "(Mamba / linear-attention) layers whose state cannot be ring-passed. Use cp_type: ulysses",
+                )
+            )
+    divisor = 2 * par.cp if par.cp_type == "ring" else par.cp
+    if data.kind == "synthetic":
+        if data.seq_len % divisor != 0:
+            issues.append(
+                ConfigIssue(
+                    "data.seq_len",
+                    f"{data.seq_len} must be divisible by {divisor} for cp={par.cp} {par.cp_type} "
+                    f"({'2*cp: head-tail load balancing' if par.cp_type == 'ring' else 'cp'})",
+                )
+            )
+        if not data.fixed_length and data.pad_multiple % divisor != 0:
+            issues.append(
+                ConfigIssue("data.pad_multiple", f"{data.pad_multiple} must be a multiple of {divisor} under CP")
+            )
+    elif data.max_length % divisor != 0:
+        issues.append(ConfigIssue("data.max_length", f"{data.max_length} must be divisible by {divisor} under CP"))
+    return issues
+
+
+def check_batching(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
+    t, par = recipe.train, recipe.parallel
+    issues = []
+    if t.micro_batch_size < 1 or t.global_batch_size < 1:
+        return [ConfigIssue("train.global_batch_size", "global_batch_size and micro_batch_size must be >= 1")]
+    dp_shard = resolve_dp_shard(recipe, world_size)
+    if dp_shard < 1:
+        return issues  # reported by check_parallel_sizes
+    dp = par.dp_replicate * dp_shard
+    if t.global_batch_size % (dp * t.micro_batch_size) != 0:
+        issues.append(
+            ConfigIssue(
+                "train.global_batch_size",
+                f"{t.global_batch_size} must be divisible by dp*micro_batch_size = {dp}*{t.micro_batch_size} "
+                f"(dp = dp_replicate*dp_shard at world size {world_size})",
+            )
+        )
+    return issues
+
+
+def check_training(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
+    t = recipe.train
+    issues = []
+    if t.steps < 1:
+        issues.append(ConfigIssue("train.steps", f"must be >= 1, got {t.steps}"))
+    if t.lr <= 0:
+        issues.append(ConfigIssue("train.lr", f"must be > 0, got {t.lr}"))
+    if not 0 <= t.warmup_steps <= max(t.steps, 0):
+        issues.append(ConfigIssue("train.warmup_steps", f"{t.warmup_steps} must be in [0, train.steps={t.steps}]"))
+    if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
+        issues.append(ConfigIssue("train.betas", f"{t.betas} must be two numbers in [0, 1)"))
+    if t.grad_clip < 0:
+        issues.append(ConfigIssue("train.grad_clip", f"must be >= 0 (0 disables), got {t.grad_clip}"))
+    for key, spec in (("train.optimizer", t.optimizer), ("train.scheduler", t.scheduler)):
+        issues.extend(check_target(key, spec))
+    return issues
+
+
+def check_target(key: str, spec: dict | None) -> list[ConfigIssue]:
+    if spec is None:
+        return []
+    target = spec.get("_target_")
+    if not isinstance(target, str) or not target:
+        return [ConfigIssue(f"{key}._target_", "missing; give a dotted path such as torch.optim.AdamW")]
+    if not target.startswith(TARGET_ALLOWLIST):
+        return [
+            ConfigIssue(
+                f"{key}._target_",
+                f"{target!r} is outside the allowed module prefixes {list(TARGET_ALLOWLIST)}",
+            )
+        ]
+    return []
+
+
+def check_data(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
+    d, m = recipe.data, recipe.model
+    issues = []
+    if d.kind == "synthetic":
+        if d.seq_len < 8:
+            issues.append(ConfigIssue("data.seq_len", f"must be >= 8, got {d.seq_len}"))
+        if not 1 <= d.min_doc_tokens <= d.max_doc_tokens:
+            issues.append(
+                ConfigIssue(
+                    "data.min_doc_tokens",
+                    f"need 1 <= min_doc_tokens ({d.min_doc_tokens}) <= max_doc_tokens ({d.max_doc_tokens})",
+                )
+            )
+        if m.vocab_size < 8:
+            issues.append(ConfigIssue("model.vocab_size", f"synthetic tasks need vocab_size >= 8, got {m.vocab_size}"))
+        if not d.fixed_length and (d.pad_multiple < 1 or d.seq_len % d.pad_multiple != 0):
+            issues.append(
+                ConfigIssue("data.pad_multiple", f"{d.pad_multiple} must be >= 1 and divide seq_len={d.seq_len}")
+            )
+    elif d.kind == "medpix":
+        if m.family != "qwen3_5_moe":
+            issues.append(
+                ConfigIssue(
+                    "data.kind", f"medpix is a vision-language dataset; model.family {m.family!r} has no vision"
+                )
+            )
+        if not d.path:
+            issues.append(ConfigIssue("data.path", "medpix needs a local path or HF dataset id"))
+    return issues
+
+
+def check_activation_checkpointing(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
+    ac, comp = recipe.activation_checkpointing, recipe.compile
+    issues = []
+    if comp.enabled and comp.recompile_limit < 1:
+        issues.append(ConfigIssue("compile.recompile_limit", f"must be >= 1, got {comp.recompile_limit}"))
+    if ac.mode == "none" and ac.placement == "outside":
+        issues.append(
+            ConfigIssue("activation_checkpointing.placement", "'outside' needs mode full or selective, mode is none")
+        )
+    return issues
+
+
+def check_freeze(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
+    f, m = recipe.train.freeze, recipe.model
+    if f.vision_tower and (m.family != "qwen3_5_moe" or m.vision.depth == 0):
+        return [ConfigIssue("train.freeze.vision_tower", f"model has no vision tower (family {m.family})")]
+    if f.embeddings and f.language_model and not (m.family == "qwen3_5_moe" and m.vision.depth > 0):
+        return [ConfigIssue("train.freeze.language_model", "freezing everything leaves nothing to train")]
+    return []
+
+
+def check_dist(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
+    d, b = recipe.dist, recipe.backend
+    issues = []
+    if d.backend == "nccl" and d.device == "cpu":
+        issues.append(ConfigIssue("dist.backend", "nccl needs CUDA devices; use gloo (or auto) with dist.device=cpu"))
+    if d.timeout_s < 1:
+        issues.append(ConfigIssue("dist.timeout_s", f"must be >= 1, got {d.timeout_s}"))
+    if b.dispatcher == "deepep" and d.device == "cpu":
+        issues.append(ConfigIssue("backend.dispatcher", "deepep runs on CUDA only; use dispatcher: torch on CPU"))
+    return issues
+
+
+def check_checkpoint(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
+    c = recipe.checkpoint
+    issues = []
+    if c.every_n_steps < 0:
+        issues.append(ConfigIssue("checkpoint.every_n_steps", f"must be >= 0, got {c.every_n_steps}"))
+    if c.keep_last < 1:
+        issues.append(ConfigIssue("checkpoint.keep_last", f"must be >= 1, got {c.keep_last}"))
+    if c.resume not in ("none", "auto") and not c.resume.strip():
+        issues.append(ConfigIssue("checkpoint.resume", "use none, auto or a step_<N> directory"))
+    return issues
+
+
+RULES: list[Rule] = [
+    check_parallel_sizes,
+    check_experts,
+    check_model_shape,
+    check_context_parallel,
+    check_batching,
+    check_training,
+    check_data,
+    check_activation_checkpointing,
+    check_freeze,
+    check_dist,
+    check_checkpoint,
+]
+
+
+def validate_recipe(recipe: RecipeConfig, *, world_size: int, source: str | None = None) -> ParallelLayout:
+    """Run every rule; raise one ``ConfigError`` listing all problems, else return the resolved layout."""
+    if world_size < 1:
+        raise ConfigError(ConfigIssue("--world-size", f"must be >= 1, got {world_size}"), source=source)
+    issues = [issue for rule in RULES for issue in rule(recipe, world_size)]
+    if issues:
+        raise ConfigError(issues, source=source)
+    par = recipe.parallel
+    return ParallelLayout(
+        world_size=world_size,
+        dp_replicate=par.dp_replicate,
+        dp_shard=resolve_dp_shard(recipe, world_size),
+        cp=par.cp,
+        ep=par.ep,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# environment (optional extras)
+
+_EXTRAS = {
+    ("backend.dispatcher", "deepep"): ("deep_ep", "deepep"),
+    ("backend.attention", "te"): ("transformer_engine", "te"),
+    ("backend.linear", "te"): ("transformer_engine", "te"),
+    ("backend.rms_norm", "te"): ("transformer_engine", "te"),
+}
+
+
+def check_environment(recipe: RecipeConfig, *, cuda_available: bool | None = None) -> list[ConfigIssue]:
+    """Optional extras and devices the recipe needs but this machine lacks (empty list: all present)."""
+    issues = []
+    values = {
+        "backend.dispatcher": recipe.backend.dispatcher,
+        "backend.attention": recipe.backend.attention,
+        "backend.linear": recipe.backend.linear,
+        "backend.rms_norm": recipe.backend.rms_norm,
+    }
+    for (key, value), (module, extra) in _EXTRAS.items():
+        if values[key] == value and importlib.util.find_spec(module) is None:
+            issues.append(
+                ConfigIssue(
+                    key,
+                    f"{value!r} needs the optional package '{module}', which is not installed: "
+                    f"pip install 'nemo_ac[{extra}]' on a CUDA machine, or set {key}: "
+                    f"{'torch' if key != 'backend.attention' else 'sdpa'}",
+                )
+            )
+    if recipe.model.pretrained and importlib.util.find_spec("safetensors") is None:
+        issues.append(
+            ConfigIssue("model.pretrained", "loading HF weights needs 'safetensors': pip install 'nemo_ac[hf]'")
+        )
+    needs_cuda = values["backend.dispatcher"] == "deepep" or "te" in values.values() or recipe.dist.backend == "nccl"
+    if needs_cuda and cuda_available is False:
+        issues.append(
+            ConfigIssue(
+                "backend" if recipe.dist.backend != "nccl" else "dist.backend",
+                "this recipe needs CUDA (deepep / te / nccl) but no GPU is visible",
+            )
+        )
+    return issues

@@ -1,0 +1,80 @@
+"""Process-group start-up: backend and device from the recipe (``auto``: nccl on CUDA, gloo on CPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nemo_ac.config.schema import DistConfig
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_size_from_env() -> int:
+    """The world size torchrun announced (1 for a plain ``python -m``), readable before any process group."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_device_type(cfg: DistConfig) -> str:
+    if cfg.device != "auto":
+        return cfg.device
+    return "cuda" if torch.cuda.is_available() and cfg.backend != "gloo" else "cpu"
+
+
+def resolve_backend(cfg: DistConfig, device_type: str) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_distributed(cfg: DistConfig) -> DistEnv:
+    """Initialize the default process group (a world of 1 when not launched by torchrun)."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = world_size_from_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if "MASTER_ADDR" not in os.environ:  # plain `python -m nemo_ac.train`: a real world of one
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(_free_port())
+    device_type = resolve_device_type(cfg)
+    backend = resolve_backend(cfg, device_type)
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=cfg.timeout_s),
+            device_id=device if device_type == "cuda" else None,
+        )
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

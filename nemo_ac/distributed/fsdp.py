@@ -1,0 +1,99 @@
+"""FSDP2 (``fully_shard``) of blocks, nested expert / fp32-router units, the root, and explicit prefetch.
+
+Gradients are reduced as sums (divide factor 1): the trainer normalizes the loss by the global number of label
+tokens, so the sum over ranks is the token-weighted mean no matter how dense (dp_shard x cp) and expert
+(ep_shard) meshes differ in size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from nemo_ac.config.schema import FSDPConfig, MoEConfig
+from nemo_ac.distributed.blocks import decoder_layers, nested_fsdp_units, unwrap_block
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def _shard_placement_for_experts(mesh: DeviceMesh):
+    """Shard experts on dim 0 (experts) unless there are more shards than local experts, then dim 1."""
+
+    def placement(param: nn.Parameter):
+        from torch.distributed.tensor import Shard
+
+        local_experts = param.to_local().shape[0] if hasattr(param, "to_local") else param.shape[0]
+        return Shard(1) if mesh.size() > local_experts else Shard(0)
+
+    return placement
+
+
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    dense_mesh: DeviceMesh,
+    expert_mesh: DeviceMesh,
+    config: FSDPConfig,
+    moe: MoEConfig,
+    shard_inner_block: bool,
+) -> list[FSDPModule]:
+    """fully_shard nested units, then each block, then the root. Returns every FSDP module, root last.
+
+    shard_inner_block: shard the block under its AC wrapper (AC(fully_shard(block)): the block's own hooks run
+    inside the checkpoint) instead of the wrapper (fully_shard(AC(block)), torchtitan's layout).
+    """
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch_dtype(config.param_dtype), reduce_dtype=torch_dtype(config.reduce_dtype)
+    )
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    units: list[FSDPModule] = []
+    block_units: list[FSDPModule] = []
+    nested_by_block: list[list[FSDPModule]] = []
+    for block in decoder_layers(model):
+        nested: list[FSDPModule] = []
+        for unit in nested_fsdp_units(block, moe=moe):
+            is_router = unit is getattr(unwrap_block(block).mlp, "gate", None)
+            kwargs = {}
+            if not is_router:
+                kwargs["shard_placement_fn"] = _shard_placement_for_experts(expert_mesh)
+            sharded = fully_shard(
+                unit,
+                mesh=dense_mesh if is_router else expert_mesh,
+                mp_policy=fp32 if is_router else mp,
+                reshard_after_forward=config.reshard_after_forward,
+                **kwargs,
+            )
+            nested.append(sharded)
+        target = unwrap_block(block) if shard_inner_block else block
+        block_unit = fully_shard(
+            target, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward
+        )
+        units.extend(nested)
+        units.append(block_unit)
+        block_units.append(block_unit)
+        nested_by_block.append(nested)
+    root = fully_shard(model, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False)
+    units.append(root)
+    for unit in units:
+        # Plain SUM collectives (no PREMUL_SUM, which gloo lacks; no AVG): the loss is already normalized.
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    _set_prefetch(block_units, nested_by_block, config)
+    return units
+
+
+def _set_prefetch(blocks: list[FSDPModule], nested: list[list[FSDPModule]], config: FSDPConfig) -> None:
+    """Explicit prefetch: each block all-gathers the next block and its nested units (forward) / the previous
+    block and its nested units (backward). This is the layout where FSDP's all-gather runs only in recompute."""
+    if config.forward_prefetch == "explicit":
+        for i, block in enumerate(blocks[:-1]):
+            block.set_modules_to_forward_prefetch([blocks[i + 1], *nested[i + 1]])
+    if config.backward_prefetch == "explicit":
+        for i in range(1, len(blocks)):
+            blocks[i].set_modules_to_backward_prefetch([blocks[i - 1], *nested[i - 1]])

@@ -1,0 +1,45 @@
+"""The parallelization recipe: EP -> CP -> AC -> compile -> FSDP, each step one function."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from nemo_ac.config.schema import (
+    ActivationCheckpointingConfig,
+    BackendConfig,
+    CompileConfig,
+    ModelConfig,
+    ParallelConfig,
+)
+from nemo_ac.distributed.activation_checkpointing import apply_ac
+from nemo_ac.distributed.compile import apply_compile, recompute_context_fns
+from nemo_ac.distributed.context_parallel import apply_cp
+from nemo_ac.distributed.expert_parallel import apply_ep
+from nemo_ac.distributed.fsdp import apply_fsdp
+from nemo_ac.distributed.mesh import ParallelMeshes
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    meshes: ParallelMeshes,
+    model_config: ModelConfig,
+    parallel: ParallelConfig,
+    activation_checkpointing: ActivationCheckpointingConfig,
+    compile: CompileConfig,
+    backend: BackendConfig,
+) -> nn.Module:
+    """Apply every parallelism to a meta-device model in place (weights are materialized afterwards)."""
+    apply_ep(model, ep_mesh=meshes.ep_mesh, dispatcher=backend.dispatcher, moe=model_config.moe)
+    apply_cp(model, cp_mesh=meshes.cp, cp_type=parallel.cp_type)
+    apply_ac(model, config=activation_checkpointing, extra_context_fns=recompute_context_fns(compile))
+    apply_compile(model, config=compile, moe=model_config.moe)
+    apply_fsdp(
+        model,
+        dense_mesh=meshes.dense_fsdp,
+        expert_mesh=meshes.expert_fsdp,
+        config=parallel.fsdp,
+        moe=model_config.moe,
+        shard_inner_block=activation_checkpointing.placement == "outside",
+    )
+    return model

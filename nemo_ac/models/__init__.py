@@ -1,0 +1,45 @@
+"""Model families. ``build_model`` constructs on the meta device; weights come later from
+``nemo_ac.models.init.materialize_and_init`` (random) or a checkpoint loader, after parallelization."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from nemo_ac.config.schema import ModelConfig
+from nemo_ac.models.interfaces import AttentionInputs, ModelOutput, RouterStats
+from nemo_ac.models.qwen3_moe import build_qwen3_moe
+
+__all__ = [
+    "MODEL_BUILDERS",
+    "AttentionInputs",
+    "ModelOutput",
+    "RouterStats",
+    "build_model",
+    "model_dtype",
+]
+
+MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {"qwen3_moe": build_qwen3_moe}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16`` (the schema's ``DTypeName`` values)."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def build_model(cfg: ModelConfig, *, device: torch.device | str = "meta") -> nn.Module:
+    """Builds the family's causal LM on ``device`` (meta by default: no memory, no init cost)."""
+    builder = MODEL_BUILDERS.get(cfg.family)
+    if builder is None:
+        raise NotImplementedError(
+            f"model family {cfg.family!r} is not implemented yet (implemented: {', '.join(sorted(MODEL_BUILDERS))})"
+        )
+    with torch.device(device):
+        return builder(cfg)

@@ -1,0 +1,121 @@
+"""Self-attention over packed documents.
+
+``Attention`` keeps transformers' parameter names (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm) and works in the
+[B, S, heads, head_dim] layout end to end. The core op is a plain attribute, ``attn_op``, called as
+``attn_op(q, k, v, attn_inputs) -> [B, S, nh, hd]``: the parallelizer swaps in Ulysses / ring context-parallel ops
+by assignment, so this module never imports distributed code.
+
+The default op, ``packed_causal_attention``, builds a boolean mask from ``document_ids`` with tensor ops only (no
+``.item()``, no Python branches on tensor values), so torch.compile does not specialize on per-batch document
+layouts or on ``max_seqlen``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nemo_ac.models.common.rmsnorm import RMSNorm
+from nemo_ac.models.common.rope import apply_rotary
+from nemo_ac.models.interfaces import AttentionInputs
+
+AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionInputs], torch.Tensor]
+
+
+def build_attention_inputs(document_ids: torch.Tensor) -> AttentionInputs:
+    """Varlen metadata from document ids [B, S] (call it in the data path, outside compiled regions).
+
+    Every maximal run of equal ids within a row is one segment of ``cu_seqlens`` (over the flattened batch); a
+    row boundary always starts a new segment. ``max_seqlen`` is a Python int (it syncs with the device once).
+    """
+    if document_ids.dim() != 2:
+        raise ValueError(f"document_ids must be [B, S], got shape {tuple(document_ids.shape)}")
+    b, s = document_ids.shape
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    if s > 1:
+        starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start_idx = starts.reshape(-1).nonzero().squeeze(-1)
+    total = torch.tensor([b * s], dtype=start_idx.dtype, device=start_idx.device)
+    cu_seqlens = torch.cat((start_idx, total)).to(torch.int32)
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if b * s > 0 else 0
+    return AttentionInputs(document_ids=document_ids.to(torch.int32), cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+
+def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [B, 1, S, S], True = attend: same document and causal.
+
+    Padding (document id -1) attends only to itself, so no query row is fully masked (SDPA would return NaN).
+    """
+    s = document_ids.shape[-1]
+    q_doc = document_ids.unsqueeze(-1)
+    k_doc = document_ids.unsqueeze(-2)
+    idx = torch.arange(s, device=document_ids.device)
+    causal = idx.unsqueeze(-1) >= idx.unsqueeze(0)
+    diagonal = idx.unsqueeze(-1) == idx.unsqueeze(0)
+    mask = ((q_doc == k_doc) & (k_doc >= 0) & causal) | diagonal
+    return mask.unsqueeze(1)
+
+
+def packed_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionInputs, *, scale: float | None = None
+) -> torch.Tensor:
+    """SDPA over packed documents. q [B, S, nh, hd], k/v [B, S, nkv, hd] -> [B, S, nh, hd].
+
+    GQA repeats k/v heads with ``repeat_interleave`` (head i uses kv head i // (nh / nkv), as transformers does)
+    rather than ``enable_gqa``, so every SDPA backend that accepts a mask can run it.
+    """
+    nh, nkv = q.shape[2], k.shape[2]
+    if nh != nkv:
+        k = k.repeat_interleave(nh // nkv, dim=2)
+        v = v.repeat_interleave(nh // nkv, dim=2)
+    mask = document_causal_mask(attn.document_ids.to(q.device))
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, optional per-head q/k RMSNorm (Qwen3) and optional projection biases."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qk_norm: bool = True,
+        attention_bias: bool = False,
+        rms_norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=attention_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=attention_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=attention_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=attention_bias)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        # Swappable core op (context parallel); a plain function attribute, not a submodule.
+        self.attn_op: AttentionOp = packed_causal_attention
+
+    def forward(
+        self, x: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionInputs
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        out = self.attn_op(q, k, v, attn)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))

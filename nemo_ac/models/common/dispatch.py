@@ -1,0 +1,81 @@
+"""Token dispatch / combine between the router and the grouped experts.
+
+A dispatcher turns ``(hidden [T, H], top_idx [T, k])`` into expert-contiguous rows plus per-expert counts, and
+turns the experts' output rows back into ``[T, H]`` weighted by the router scores. ``LocalDispatcher`` is the
+single-process version; the expert-parallel all-to-all dispatcher implements the same two methods and is assigned
+to ``moe.dispatcher`` by the parallelizer. The permutation helpers below are shared with it.
+
+Row order convention: the ``T * k`` (token, slot) pairs are flattened token-major (pair ``p`` is token
+``p // k``, slot ``p % k``); ``sort_by_expert`` orders them by expert id with a stable sort, so within an expert
+the tokens keep their original order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def count_per_expert(top_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert [E] int64. A scatter-add rather than ``bincount``: its output shape is static, so
+    torch.compile traces it without a graph break (bincount's shape depends on the data)."""
+    flat = top_idx.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def sort_by_expert(top_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(order [T*k], tokens_per_expert [E] int64)``: ``order[j]`` is the flat (token, slot) pair placed
+    at expert-contiguous row ``j``."""
+    flat = top_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens_per_expert = count_per_expert(flat, num_experts)
+    return order, tokens_per_expert
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[order[j]] = j`` (a scatter; cheaper than a second argsort)."""
+    inv = torch.empty_like(order)
+    inv.scatter_(0, order, torch.arange(order.numel(), device=order.device, dtype=order.dtype))
+    return inv
+
+
+def permute_tokens(hidden: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Expert-contiguous copy [T*k, H] of ``hidden`` [T, H] (each token repeated once per chosen expert)."""
+    return hidden.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
+
+
+def unpermute_tokens(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Inverse of the row order: [T*k, H] expert-contiguous -> [T*k, H] flat (token, slot) order."""
+    return rows.index_select(0, inverse_permutation(order))
+
+
+def weighted_combine(rows: torch.Tensor, top_scores: torch.Tensor) -> torch.Tensor:
+    """Sum of the k expert outputs per token weighted by the router scores, accumulated in fp32.
+
+    rows: [T*k, H] in flat (token, slot) order; top_scores: [T, k]. Returns [T, H] in ``rows.dtype``.
+    """
+    t, k = top_scores.shape
+    weighted = rows.view(t, k, -1).to(torch.float32) * top_scores.to(torch.float32).unsqueeze(-1)
+    return weighted.sum(dim=1).to(rows.dtype)
+
+
+@dataclass
+class LocalDispatchContext:
+    """What ``combine`` needs from ``dispatch``."""
+
+    order: torch.Tensor
+
+
+class LocalDispatcher:
+    """Single-process dispatcher: a sort by expert id and its inverse, no communication."""
+
+    def dispatch(
+        self, hidden: torch.Tensor, top_idx: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchContext]:
+        order, tokens_per_expert = sort_by_expert(top_idx, num_experts)
+        return permute_tokens(hidden, order, top_idx.shape[-1]), tokens_per_expert, LocalDispatchContext(order)
+
+    def combine(self, expert_out: torch.Tensor, top_scores: torch.Tensor, ctx: LocalDispatchContext) -> torch.Tensor:
+        return weighted_combine(unpermute_tokens(expert_out, ctx.order), top_scores)

@@ -1,0 +1,78 @@
+"""Routed experts stored as 3D weights (transformers 5 ``Qwen3MoeExperts`` layout).
+
+``gate_up_proj`` is [E, 2*I, H] (gate rows first, then up rows) for SwiGLU, or [E, I, H] for ``relu2``
+(``relu(x)^2``, no gate, Nemotron-H); ``down_proj`` is [E, H, I]. The forward takes rows already permuted into
+expert-contiguous order and the per-expert counts, so it is agnostic to how tokens got there (local sort or
+expert-parallel all-to-all). ``E`` here is the number of *local* experts (dim 0 of the weights).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """Expert weights sharded over an EP mesh are DTensors; the math runs on this rank's experts only."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class GroupedExperts(nn.Module):
+    """Per-expert feed-forward over expert-contiguous rows.
+
+    ``impl``: ``"loop"`` (default; one matmul pair per local expert via ``torch.split`` of the counts, which
+    syncs on ``tokens_per_expert.tolist()``) or ``"grouped_mm"`` (``torch._grouped_mm`` with cumulative offsets,
+    no host sync). An expert with zero rows yields an empty slice and a zero gradient.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        activation: Literal["silu", "relu2"] = "silu",
+        impl: Literal["loop", "grouped_mm"] = "loop",
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.impl = impl
+        up_rows = 2 * intermediate_size if activation == "silu" else intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, up_rows, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        if self.activation == "silu":
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.relu(h).square()
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x: [N, H] expert-contiguous rows; tokens_per_expert: [E_local] int counts summing to N. Returns [N, H]."""
+        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        if gate_up.shape[0] != tokens_per_expert.shape[0]:
+            raise ValueError(
+                f"tokens_per_expert has {tokens_per_expert.shape[0]} entries but there are {gate_up.shape[0]} "
+                "local experts"
+            )
+        if self.impl == "grouped_mm":
+            return self._forward_grouped_mm(x, tokens_per_expert, gate_up, down)
+        outs = []
+        for e, rows in enumerate(torch.split(x, tokens_per_expert.tolist())):
+            h = self._act(F.linear(rows, gate_up[e]))
+            outs.append(F.linear(h, down[e]))
+        return torch.cat(outs, dim=0) if outs else x.new_empty(0, self.hidden_size)
+
+    def _forward_grouped_mm(
+        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    ) -> torch.Tensor:
+        offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
+        h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(self._act(h), down.transpose(-2, -1), offs=offs)

@@ -1,0 +1,122 @@
+"""Top-k expert router (module name ``gate`` inside an MoE layer, parameter ``weight`` [E, H]).
+
+One router covers Qwen3-MoE (softmax, optional top-k renormalization) and GLM-4.5 / DeepSeek-V3 (sigmoid scores,
+``e_score_correction_bias`` used for selection only, grouped top-k, ``routed_scaling_factor``). Scores are always
+computed in fp32: with ``router_dtype="float32"`` both the input and the weight are cast to fp32 before the
+projection (so an fp32 router works inside a bf16 model); with ``"param"`` the projection runs in the parameter
+dtype, as transformers does, and only the scores are fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nemo_ac.config.schema import MoEConfig
+
+
+class TopKRouter(nn.Module):
+    """Returns ``(top_scores [T, k] fp32, top_idx [T, k] int64, probs [T, E] fp32)``.
+
+    ``probs`` feeds the load-balancing statistics: the softmax for softmax routing, the sigmoid scores normalized
+    to sum to one per token for sigmoid routing (so ``E * sum(f_i * P_i)`` keeps its meaning).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: Literal["softmax", "sigmoid"] = "softmax",
+        norm_topk_prob: bool = True,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+        score_correction_bias: bool = False,
+        router_dtype: Literal["float32", "param"] = "param",
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if n_group < 1 or num_experts % n_group or not 0 < topk_group <= n_group:
+            raise ValueError(f"invalid grouping: num_experts={num_experts}, n_group={n_group}, topk_group={topk_group}")
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.score_func = score_func
+        self.norm_topk_prob = norm_topk_prob
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.router_dtype = router_dtype
+        # The parallelizer reads this to keep the weight fp32 (own FSDP unit with fp32 param dtype).
+        self.keep_fp32 = router_dtype == "float32"
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        if score_correction_bias:
+            # Persistent fp32 buffer (in the checkpoint, as in transformers' GLM); updated by the trainer.
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    @classmethod
+    def from_config(cls, hidden_size: int, moe: MoEConfig) -> TopKRouter:
+        return cls(
+            hidden_size,
+            moe.num_experts,
+            moe.num_experts_per_tok,
+            score_func=moe.score_func,
+            norm_topk_prob=moe.norm_topk_prob,
+            n_group=moe.n_group,
+            topk_group=moe.topk_group,
+            routed_scaling_factor=moe.routed_scaling_factor,
+            score_correction_bias=moe.score_correction_bias,
+            router_dtype=moe.router_dtype,
+        )
+
+    def initial_buffer(self, name: str) -> torch.Tensor:
+        if name != "e_score_correction_bias":
+            raise KeyError(name)
+        return torch.zeros(self.num_experts, dtype=torch.float32)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E] in fp32."""
+        if self.router_dtype == "float32":
+            return F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+        return F.linear(x, self.weight.to(x.dtype)).to(torch.float32)
+
+    def _select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Expert indices [T, k] chosen on (bias-corrected) scores, restricted to the best groups if grouped."""
+        choice = scores
+        if self.e_score_correction_bias is not None:
+            choice = choice + self.e_score_correction_bias.to(choice.dtype)
+        if self.n_group > 1:
+            t = choice.shape[0]
+            grouped = choice.view(t, self.n_group, self.num_experts // self.n_group)
+            k_in_group = min(2, grouped.shape[-1])
+            group_scores = grouped.topk(k_in_group, dim=-1).values.sum(-1)
+            group_idx = group_scores.topk(self.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+            keep = group_mask.unsqueeze(-1).expand_as(grouped).reshape(t, self.num_experts)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.logits(x.reshape(-1, self.hidden_size))
+        if self.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+            probs = scores
+        else:
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        with torch.no_grad():
+            top_idx = self._select(scores.detach())
+        top_scores = scores.gather(1, top_idx)
+        if self.norm_topk_prob:
+            top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.routed_scaling_factor != 1.0:
+            top_scores = top_scores * self.routed_scaling_factor
+        return top_scores, top_idx, probs

@@ -1,0 +1,115 @@
+"""Per-step metrics on rank 0: a console line (or progress bar), JSONL in the run directory, a final summary."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """CUDA max allocated on GPU; the process RSS high-water mark on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    aux_loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    step_time_s: float
+    tokens_per_s: float
+    peak_memory_gib: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def line(self, total_steps: int) -> str:
+        text = (
+            f"step {self.step:>4}/{total_steps} | loss {self.loss:.4f} | aux {self.aux_loss:.4f} | "
+            f"grad_norm {self.grad_norm:.3f} | lr {self.lr:.2e} | {self.tokens_per_s:,.0f} tok/s | "
+            f"{self.step_time_s * 1000:.0f} ms | peak {self.peak_memory_gib:.2f} GiB"
+        )
+        for key, value in self.extra.items():
+            text += f" | {key} {value}"
+        return text
+
+    def record(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(data.pop("extra"))
+        return data
+
+
+class MetricsLogger:
+    """Writes on rank 0 only; other ranks construct it with ``enabled=False``."""
+
+    def __init__(
+        self,
+        *,
+        run_dir: str,
+        total_steps: int,
+        enabled: bool,
+        jsonl: bool,
+        progress_bar: str,
+        log_every: int,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.log_every = max(log_every, 1)
+        self.stream = stream or sys.stdout
+        self.history: list[StepMetrics] = []
+        self.started = time.perf_counter()
+        self.bar = enabled and (progress_bar == "always" or (progress_bar == "auto" and self.stream.isatty()))
+        self.jsonl_path: Path | None = None
+        if enabled and jsonl:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            self.jsonl_path = Path(run_dir) / "metrics.jsonl"
+            self.jsonl_path.write_text("")
+
+    def log(self, metrics: StepMetrics) -> None:
+        self.history.append(metrics)
+        if not self.enabled:
+            return
+        if self.jsonl_path is not None:
+            with self.jsonl_path.open("a") as handle:
+                handle.write(json.dumps(metrics.record()) + "\n")
+        if self.bar:
+            done = int(30 * metrics.step / self.total_steps)
+            self.stream.write(f"\r[{'#' * done}{'.' * (30 - done)}] {metrics.line(self.total_steps)}")
+            if metrics.step == self.total_steps:
+                self.stream.write("\n")
+        elif metrics.step % self.log_every == 0 or metrics.step == self.total_steps:
+            self.stream.write(metrics.line(self.total_steps) + "\n")
+        self.stream.flush()
+
+    def summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        if not self.history:
+            return {}
+        times = sorted(m.step_time_s for m in self.history[1:]) or [self.history[0].step_time_s]
+        result: dict[str, Any] = {
+            "steps": len(self.history),
+            "first_loss": self.history[0].loss,
+            "final_loss": self.history[-1].loss,
+            "median_step_time_s": times[len(times) // 2],
+            "tokens": sum(m.tokens for m in self.history),
+            "wall_time_s": time.perf_counter() - self.started,
+            "peak_memory_gib": max(m.peak_memory_gib for m in self.history),
+        }
+        result.update(extra or {})
+        if self.enabled:
+            parts = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
+            self.stream.write(f"summary | {parts}\n")
+            self.stream.flush()
+            if self.jsonl_path is not None:
+                (self.jsonl_path.parent / "summary.json").write_text(json.dumps(result, indent=2))
+        return result
