@@ -19,8 +19,8 @@ run: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m nemo_ac.train $(RECIPE) $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check nemo_ac tests benchmarks
-	$(VENV)/bin/ruff format --check nemo_ac tests benchmarks
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: lint
 	$(PY) -m pytest -q $(ARGS)

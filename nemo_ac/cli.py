@@ -58,7 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="launch torchrun on a recipe")
     train.add_argument("recipe")
-    train.add_argument("overrides", nargs="*")
     train.add_argument("--nproc-per-node", type=int, default=1)
     train.add_argument("--nnodes", type=int, default=1)
     train.add_argument("--rdzv-endpoint", default="localhost:29400")
@@ -67,7 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check a recipe for a world size without training")
     validate.add_argument("recipe")
-    validate.add_argument("overrides", nargs="*")
     validate.add_argument("--world-size", type=int, required=True)
     validate.add_argument("--check-env", action="store_true", help="also require the optional extras it names")
     validate.set_defaults(func=_validate)
@@ -76,7 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else list(argv))
+    # Options and key=value overrides may be interleaved: everything argparse does not know must be an override.
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    unknown = [item for item in rest if item.startswith("-") or "=" not in item]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like section.key=value)")
+    args.overrides = rest
     return int(args.func(args))
 
 
