@@ -49,6 +49,8 @@ def _train(args: argparse.Namespace) -> int:
     command += ["-m", "nemo_ac.train", args.recipe, *args.overrides]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    if args.max_restarts:  # a fresh rendezvous store per attempt (see trainer.checkpoint.elastic_restart_hazard)
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return subprocess.call(command, env=env)
 
 

@@ -12,6 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -28,7 +29,7 @@ def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recip
         raise ConfigError(ConfigIssue("", f"recipe file '{path}' does not exist"))
     try:
         base = OmegaConf.load(path)
-    except (OmegaConfBaseException, OSError, ValueError) as exc:  # YAML syntax errors surface as ValueError subclasses
+    except (OmegaConfBaseException, OSError, ValueError, yaml.YAMLError) as exc:  # YAMLError is no ValueError
         raise ConfigError(ConfigIssue("", f"cannot parse {path}: {exc}"), source=str(path)) from exc
     if not isinstance(base, DictConfig):
         raise ConfigError(ConfigIssue("", "a recipe must be a mapping of sections"), source=str(path))
@@ -45,7 +46,9 @@ def merge_overrides(base: DictConfig, overrides: typing.Sequence[str], *, source
     dotlist = [item[1:] if item.startswith("+") else item for item in overrides]
     try:
         return typing.cast(DictConfig, OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist)))
-    except OmegaConfBaseException as exc:
+    # Values are parsed as YAML ("key=[1" raises a YAMLError) and omegaconf's key parser raises plain Python errors
+    # on malformed keys ("[=" -> IndexError): all of them are bad input, reported with the overrides.
+    except (OmegaConfBaseException, yaml.YAMLError, LookupError, ValueError, TypeError) as exc:
         raise ConfigError(ConfigIssue("", f"cannot apply overrides {list(overrides)}: {exc}"), source=source) from exc
 
 

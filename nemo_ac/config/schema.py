@@ -49,15 +49,23 @@ class MoEConfig:
 
 @dataclass
 class MambaConfig:
-    """Mamba-2 mixer of Nemotron-H (used only by family nemotron_h)."""
+    """Mamba-2 mixer of Nemotron-H (used only by family nemotron_h). HF names in comments."""
 
-    num_heads: int = 4
-    head_dim: int = 8
-    state_size: int = 16
-    n_groups: int = 1
-    conv_kernel: int = 4
-    chunk_size: int = 16
+    num_heads: int = 4  # mamba_num_heads
+    head_dim: int = 8  # mamba_head_dim; the mixer width is num_heads * head_dim
+    state_size: int = 16  # ssm_state_size
+    n_groups: int = 1  # n_groups (B/C groups; also the gated norm's groups)
+    conv_kernel: int = 4  # conv_kernel
+    chunk_size: int = 16  # chunk_size of the SSD scan (math is exact for any value; it trades memory for speed)
+    # Informational only: transformers' NemotronH sizes the mixer by num_heads * head_dim, not expand * hidden.
     expand: int = 2
+    conv_bias: bool = True  # use_conv_bias
+    proj_bias: bool = False  # use_bias (in_proj / out_proj)
+    # dt = softplus(dt + dt_bias) is clamped to >= time_step_min (transformers 5.18 uses (time_step_min, inf)).
+    time_step_min: float = 0.001
+    # dt_bias init: inverse softplus of dt ~ logU(time_step_min, time_step_max), floored at time_step_floor.
+    time_step_max: float = 0.1
+    time_step_floor: float = 1e-4
 
 
 @dataclass
@@ -84,6 +92,10 @@ class VisionConfig:
     temporal_patch_size: int = 1
     spatial_merge_size: int = 2
     in_channels: int = 3
+    # Learned absolute position table (a square grid, bilinearly resampled to each image's patch grid).
+    num_position_embeddings: int = 16
+    # Theta of the ViT's 2D (row, column) rotary embedding.
+    rope_theta: float = 10000.0
     image_token_id: int = 3
     vision_start_token_id: int = 1
     vision_end_token_id: int = 2
@@ -113,10 +125,17 @@ class ModelConfig:
     # Qwen3.5/3.6 gated attention: an output gate on attention heads.
     attn_output_gate: bool = False
     tie_word_embeddings: bool = False
+    # Biases on dense MLPs, shared experts and MoE latent projections (nemotron_h's mlp_bias).
+    mlp_bias: bool = False
     max_position_embeddings: int = 4096
     init_std: float = 0.02
     # Hybrid layer pattern (nemotron_h: "M*E..." ; qwen3_5_moe: layer types). Empty = all attention+MoE.
+    # qwen3_5_moe: one character per layer, L = Gated DeltaNet linear attention, A = gated full attention; empty =
+    # the HF default (every 4th layer full attention: "LLLA" repeated).
     layer_pattern: str = ""
+    # qwen3_5_moe multimodal rope (HF rope_parameters.mrope_section, interleaved): how many of the rotary_dim/2
+    # frequencies rotate by the temporal / height / width position. Must sum to rotary_dim/2 when vision.depth > 0.
+    mrope_section: list[int] = field(default_factory=list)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mamba: MambaConfig = field(default_factory=MambaConfig)
     linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
@@ -161,6 +180,8 @@ class SelectiveACConfig:
     save_every_other_mm: bool = True
     # Save outputs of collectives (all-to-all, reduce-scatter) so recompute does not communicate again.
     save_communication: bool = True
+    # Save router top-k / sort outputs so recompute routes every token to the same experts.
+    save_router: bool = True
 
 
 @dataclass
@@ -191,6 +212,10 @@ class CompileConfig:
     dynamic_ints: bool = True
     # Re-apply the forward thread's Dynamo settings when a checkpoint recomputes on another thread.
     forward_thread_context: bool = True
+    # torch.compile(dynamic=): null = Dynamo's automatic dynamic shapes (static first compile, dynamic once a size
+    # changes); true = every input size symbolic from the first compile (one compile instead of two when
+    # data.fixed_length=false); false = always specialize (a recompile per distinct sequence length).
+    dynamic: bool | None = None
 
 
 @dataclass
@@ -204,18 +229,40 @@ class DataConfig:
     # Every micro batch packs to exactly seq_len (True) or to a varying multiple of pad_multiple (False).
     fixed_length: bool = True
     pad_multiple: int = 8
-    # medpix: local path or HF id, tokenizer / processor name or path.
+    # medpix: local path (a save_to_disk dir, a dir of parquet/json files, or one such file), HF dataset id, or
+    # "synthetic[:N]" (N generated MedPix-shaped samples, nemo_ac.data.medpix_sample; default 48).
     path: str | None = None
+    split: str = "train"
+    # medpix: None or "tiny" = the byte-level chat tokenizer shipped in nemo_ac.data.tiny_tokenizer (tiny recipes);
+    # otherwise an HF model id or dir whose AutoProcessor formats the chat, tokenizes and preprocesses images.
     tokenizer: str | None = None
     max_length: int = 4096
+    # medpix: pack several samples per row (document_ids/positions restart) or one sample per row, padded.
     packing: bool = True
     num_workers: int = 0
+    # medpix columns. "auto": "image" if the dataset has it, else "image_id" (mmoukouba/MedPix-VQA keeps the image
+    # itself in image_id).
+    image_column: str = "auto"
+    question_column: str = "question"
+    answer_column: str = "answer"
+    # medpix image budget (Qwen smart_resize: sides become multiples of patch_size * spatial_merge_size with the
+    # pixel count in [min, max]); 0 keeps the processor's own setting (tiny tokenizer: one merged token .. 32*32).
+    image_min_pixels: int = 0
+    image_max_pixels: int = 0
 
 
 @dataclass
 class FreezeConfig:
+    """requires_grad=False groups (nemo_ac.models.freeze): frozen parameters get no grads and no optimizer state."""
+
+    # ViT: patch embedding, position table and blocks (model.visual.* except the merger).
     vision_tower: bool = False
+    # The patch merger (the projector into the text hidden size); trainable by default so it can adapt the frozen
+    # tower's features to the task, as in Qwen-VL finetuning.
+    vision_merger: bool = False
+    # Token embedding table (and lm_head when tied to it).
     embeddings: bool = False
+    # Decoder layers, final norm and an untied lm_head.
     language_model: bool = False
 
 
@@ -244,11 +291,19 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
+    """DCP checkpoints under ``dir``/step_<N>/ (see nemo_ac/trainer/checkpoint.py and README "Checkpoints")."""
+
+    # Save (every_n_steps and at the last step). Resuming works whether or not this run saves.
     enabled: bool = False
     dir: str = "runs/checkpoints"
+    # 0: save only at the end.
     every_n_steps: int = 0
+    # Complete checkpoints to keep; older ones are deleted after a new one is published.
     keep_last: int = 2
-    resume: str = "none"  # none | auto | path to a step_<N> directory
+    resume: str = "none"  # none | auto (newest complete checkpoint under dir) | path to a step_<N> directory
+    # Check every file's sha256 against the manifest before loading (sizes are always checked).
+    verify: bool = True
+    # Consolidated HF-layout safetensors export: lands with the HF-mapping issue (rejected by validation until then).
     export_hf: bool = False
 
 

@@ -120,7 +120,15 @@ def check_experts(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
         )
     elif not 1 <= moe.topk_group <= moe.n_group:
         issues.append(ConfigIssue("model.moe.topk_group", f"{moe.topk_group} must be between 1 and n_group"))
-    if recipe.parallel.ep > 1 and recipe.backend.dispatcher == "torch" and not moe.separate_fsdp_unit:
+    if recipe.parallel.ep == 1 and recipe.backend.dispatcher == "deepep":
+        issues.append(
+            ConfigIssue(
+                "backend.dispatcher",
+                "deepep moves tokens between expert-parallel ranks but parallel.ep is 1; set parallel.ep > 1 or "
+                "backend.dispatcher: torch",
+            )
+        )
+    if recipe.parallel.ep > 1 and not moe.separate_fsdp_unit:
         issues.append(
             ConfigIssue(
                 "model.moe.separate_fsdp_unit",
@@ -196,6 +204,7 @@ def check_context_parallel(recipe: RecipeConfig, world_size: int) -> list[Config
                     "(kv heads are replicated when fewer than cp)",
                 )
             )
+        issues.extend(_ulysses_recurrent_mixer_issues(recipe))
     else:
         hybrid = m.family in ("nemotron_h", "qwen3_5_moe")
         if hybrid:
@@ -225,14 +234,48 @@ def check_context_parallel(recipe: RecipeConfig, world_size: int) -> list[Config
     return issues
 
 
+def _ulysses_recurrent_mixer_issues(recipe: RecipeConfig) -> list[ConfigIssue]:
+    """Ulysses also splits the heads of recurrent mixers (Gated DeltaNet key/value heads, Mamba-2 heads and B/C
+    groups): each rank runs whole heads over the whole sequence, so they must divide evenly over cp."""
+    par, m = recipe.parallel, recipe.model
+    issues = []
+    if m.family == "qwen3_5_moe" and m.linear_attention.num_key_heads % par.cp != 0:
+        issues.append(
+            ConfigIssue(
+                "parallel.cp",
+                f"ulysses CP splits Gated DeltaNet heads: model.linear_attention.num_key_heads="
+                f"{m.linear_attention.num_key_heads} must be divisible by cp={par.cp}",
+            )
+        )
+    if m.family == "nemotron_h":
+        mamba = m.mamba
+        if mamba.num_heads % par.cp != 0:
+            issues.append(
+                ConfigIssue(
+                    "parallel.cp",
+                    f"ulysses CP splits Mamba-2 heads: model.mamba.num_heads={mamba.num_heads} must be divisible "
+                    f"by cp={par.cp}",
+                )
+            )
+        if mamba.n_groups % par.cp != 0 and par.cp % mamba.n_groups != 0:
+            issues.append(
+                ConfigIssue(
+                    "parallel.cp",
+                    f"ulysses CP needs model.mamba.n_groups={mamba.n_groups} divisible by cp={par.cp} or cp divisible "
+                    "by it (B/C groups are replicated when fewer than cp)",
+                )
+            )
+    return issues
+
+
 def check_batching(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
     t, par = recipe.train, recipe.parallel
     issues = []
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         return [ConfigIssue("train.global_batch_size", "global_batch_size and micro_batch_size must be >= 1")]
     dp_shard = resolve_dp_shard(recipe, world_size)
-    if dp_shard < 1:
-        return issues  # reported by check_parallel_sizes
+    if dp_shard < 1 or par.dp_replicate < 1:
+        return issues  # reported by check_parallel_sizes (dp_replicate=0 would divide by zero below)
     dp = par.dp_replicate * dp_shard
     if t.global_batch_size % (dp * t.micro_batch_size) != 0:
         issues.append(
@@ -319,6 +362,80 @@ def check_activation_checkpointing(recipe: RecipeConfig, world_size: int) -> lis
         issues.append(
             ConfigIssue("activation_checkpointing.placement", "'outside' needs mode full or selective, mode is none")
         )
+    if ac.offload:
+        issues.append(
+            ConfigIssue(
+                "activation_checkpointing.offload",
+                "CPU offload of saved activations is not available yet (it would be ignored, not applied); set "
+                "activation_checkpointing.offload=false and use mode: selective or full to save memory",
+            )
+        )
+    return issues
+
+
+def _holds_nested_fsdp_units(recipe: RecipeConfig) -> bool:
+    """Some block shards its experts / fp32 router as their own FSDP unit (mirrors distributed.blocks)."""
+    m = recipe.model
+    if m.family == "nemotron_h":
+        has_moe = "E" in m.layer_pattern or not m.layer_pattern
+    else:
+        has_moe = m.first_k_dense_replace < m.num_layers
+    return has_moe and (m.moe.separate_fsdp_unit or m.moe.router_dtype == "float32")
+
+
+def _nested_units_fix() -> str:
+    return "model.moe.separate_fsdp_unit=false and model.moe.router_dtype=param"
+
+
+def check_compile(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
+    """Layouts that would make Dynamo run blocks eagerly (silently) or fail on a graph break."""
+    comp, ac, data = recipe.compile, recipe.activation_checkpointing, recipe.data
+    if not comp.enabled:
+        return []
+    issues = []
+    nested = _holds_nested_fsdp_units(recipe)
+    if comp.layout == "compile_outer" and ac.mode != "none":
+        why = (
+            "compile_outer traces the activation checkpoint as one region and Dynamo cannot split a region at a "
+            "graph break, so the whole block would run eagerly"
+        )
+        if ac.placement == "outside":
+            issues.append(
+                ConfigIssue(
+                    "compile.layout",
+                    f"compile_outer with activation_checkpointing.placement=outside puts the block's FSDP2 hooks "
+                    f"(never traced) inside the checkpoint; {why}. Use compile.layout=auto (ac_outer here) or "
+                    "placement=inside",
+                )
+            )
+        if nested:
+            issues.append(
+                ConfigIssue(
+                    "compile.layout",
+                    f"compile_outer: MoE blocks hold a nested FSDP unit whose hooks graph-break inside the "
+                    f"checkpoint; {why}. Use compile.layout=auto or ac_outer, or set {_nested_units_fix()}",
+                )
+            )
+    if comp.fullgraph and nested:
+        issues.append(
+            ConfigIssue(
+                "compile.fullgraph",
+                "true fails on the graph breaks at the nested FSDP unit's hooks inside MoE blocks; set "
+                f"compile.fullgraph=false or {_nested_units_fix()}",
+            )
+        )
+    if comp.dynamic is False and data.kind == "synthetic" and not data.fixed_length and data.pad_multiple >= 1:
+        lowest = -(-(data.seq_len // 2) // data.pad_multiple) * data.pad_multiple
+        lengths = len(range(max(lowest, data.pad_multiple), data.seq_len + 1, data.pad_multiple))
+        if lengths > comp.recompile_limit:
+            issues.append(
+                ConfigIssue(
+                    "compile.dynamic",
+                    f"false compiles once per sequence length; data.fixed_length=false gives {lengths} lengths, more "
+                    f"than compile.recompile_limit={comp.recompile_limit}, after which blocks run eagerly. Use "
+                    "compile.dynamic=null or true, or raise compile.recompile_limit",
+                )
+            )
     return issues
 
 
@@ -352,6 +469,14 @@ def check_checkpoint(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]
         issues.append(ConfigIssue("checkpoint.keep_last", f"must be >= 1, got {c.keep_last}"))
     if c.resume not in ("none", "auto") and not c.resume.strip():
         issues.append(ConfigIssue("checkpoint.resume", "use none, auto or a step_<N> directory"))
+    if c.export_hf:
+        issues.append(
+            ConfigIssue(
+                "checkpoint.export_hf",
+                "HF-layout safetensors export is not available yet (it lands with the HF weight-mapping issue); "
+                "set checkpoint.export_hf=false (DCP checkpoints under checkpoint.dir are written either way)",
+            )
+        )
     return issues
 
 
@@ -364,6 +489,7 @@ RULES: list[Rule] = [
     check_training,
     check_data,
     check_activation_checkpointing,
+    check_compile,
     check_freeze,
     check_dist,
     check_checkpoint,

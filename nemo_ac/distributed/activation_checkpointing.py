@@ -1,9 +1,25 @@
-"""Activation checkpointing of decoder blocks: modes none, full and selective.
+"""Activation checkpointing of decoder blocks: modes none, full and selective (SAC).
 
 Blocks are wrapped with torch's non-reentrant ``checkpoint_wrapper`` (DCP and HF export strip its
 ``_checkpoint_wrapped_module`` prefix, so checkpoint keys keep the HF names). Every wrapper gets one
 ``context_fn`` composed from independent recompute contexts (the SAC caching modes, the forward-thread compile
 context, ...) so each concern stays in its own module.
+
+Selective mode saves what is expensive or unstable to recompute and recomputes the rest:
+
+- compute-intensive ops from torch's partitioner list (attention, convolution, ...), every other matmul
+  (torchtitan's policy; ``selective.save_every_other_mm: false`` saves all);
+- router top-k / sort outputs, so the recompute routes every token to the same experts (with
+  ``tokens_per_expert.tolist()`` in the experts loop a different routing would change the op stream itself);
+- outputs of functional collectives (all-to-all, reduce-scatter, all-gather; DeepEP dispatch/combine when those
+  ops are registered), so the recompute does not communicate again;
+- never an op that mutates an input (``aten.copy_``, ``scatter_``, FSDP's copy-out): replaying a cached result
+  skips the mutation, e.g. ``inverse_permutation``'s ``inv.scatter_`` or FSDP filling unsharded parameters.
+
+The decision for an op depends only on the op and its position in *this* region invocation (a fresh policy, with
+fresh counters, per ``context_fn`` call), so forward and recompute agree. The two FSDP2 workarounds that keep the
+op stream itself identical live in ``sac_compat``; the SAC modes here are torch's, subclassed per instance to pass
+FSDP's hook ops through and to explain a desync (``nemo_ac.diagnostics.sac_explain``).
 """
 
 from __future__ import annotations
@@ -12,13 +28,23 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from nemo_ac.config.schema import ActivationCheckpointingConfig
-from nemo_ac.distributed.blocks import decoder_layers
+from nemo_ac.config.schema import ActivationCheckpointingConfig, MoEConfig, SelectiveACConfig
+from nemo_ac.diagnostics.sac_explain import DecisionLog, explain_sac_desync
+from nemo_ac.distributed.blocks import decoder_layers, holds_nested_fsdp_unit
+from nemo_ac.distributed.sac_compat import (
+    ensure_profiler_ops_sac_ignored,
+    fsdp_hook_running,
+    install_fsdp_hooks_outside_sac,
+    reset_fsdp_hook_state,
+)
 
 ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
 
@@ -53,6 +79,243 @@ def _enter_all(managers: list[AbstractContextManager]) -> AbstractContextManager
     return _All()
 
 
+# ------------------------------------------------------------------------------------------------------------
+# SAC policy
+
+
+def _packets(*qualified: str) -> frozenset:
+    """OpOverloadPackets by ``ns::name``, skipping those this torch build lacks (optional kernels, DeepEP)."""
+    found = set()
+    for name in qualified:
+        namespace, op = name.split("::")
+        try:
+            found.add(getattr(getattr(torch.ops, namespace), op))
+        except (AttributeError, RuntimeError):
+            continue
+    return frozenset(found)
+
+
+_MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::_scaled_mm")
+_MATMULS_OPTIONAL = ("aten::_scaled_grouped_mm",)
+_ATTENTION = (
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward",
+)
+_ROUTER = ("aten::topk", "aten::sort")
+_COMMUNICATION = (
+    "_c10d_functional::all_to_all_single",
+    "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::all_gather_into_tensor",
+    "_c10d_functional::all_reduce",
+    "_c10d_functional_autograd::all_to_all_single",
+    "_c10d_functional_autograd::reduce_scatter_tensor",
+    "_c10d_functional_autograd::all_gather_into_tensor",
+    # DeepEP dispatch/combine, when an adapter registers them as torch ops.
+    "deep_ep::dispatch",
+    "deep_ep::combine",
+    "nemo_ac::deepep_dispatch",
+    "nemo_ac::deepep_combine",
+)
+# Never cached: profiler ranges and FSDP2's parameter management (see sac_compat) and eager c10d collectives.
+_NEVER_CACHED_NAMESPACES = ("profiler", "fsdp", "c10d")
+
+
+def _compute_intensive_packets() -> frozenset:
+    """torch's partitioner list of compute-intensive ops (what its min-cut prefers to save). Private; resolved
+    defensively, falling back to the matmul/attention lists above."""
+    try:
+        from torch._functorch.partitioners import get_default_op_list
+
+        return frozenset(get_default_op_list().compute_intensive_ops)
+    except (ImportError, AttributeError):
+        return frozenset()
+
+
+@dataclass(frozen=True)
+class PolicyRules:
+    """What a selective region saves, resolved once per factory (op lookups are not free)."""
+
+    matmuls: frozenset
+    compute_intensive: frozenset
+    router: frozenset
+    communication: frozenset
+    save_every_other_mm: bool
+    save_router: bool
+    save_communication: bool
+
+    @classmethod
+    def build(cls, config: SelectiveACConfig, *, extra_save_ops: Sequence[Any] = ()) -> PolicyRules:
+        matmuls = _packets(*_MATMULS, *_MATMULS_OPTIONAL)
+        extra = frozenset(getattr(op, "overloadpacket", op) for op in extra_save_ops)
+        return cls(
+            matmuls=matmuls,
+            compute_intensive=(_compute_intensive_packets() | _packets(*_ATTENTION) | extra) - matmuls,
+            router=_packets(*_ROUTER),
+            communication=_packets(*_COMMUNICATION),
+            save_every_other_mm=config.save_every_other_mm,
+            save_router=config.save_router,
+            save_communication=config.save_communication,
+        )
+
+
+def _is_mutating(func: Any) -> bool:
+    schema = getattr(func, "_schema", None)
+    return bool(getattr(schema, "is_mutable", False))
+
+
+class SelectivePolicy:
+    """The SAC policy of ONE region invocation: ``(ctx, func, *args, **kwargs) -> CheckpointPolicy``.
+
+    A new instance per ``context_fn`` call, so the matmul counter restarts for every block and every micro batch
+    (a shared global counter would flip decisions between blocks and between forward and recompute). torch 2.13
+    calls the policy only in forward; releases that also call it in recompute get their own counter per pass
+    (``ctx.is_recompute``), which gives the same sequence of decisions.
+    """
+
+    def __init__(self, *, rules: PolicyRules, region: str = "", log: DecisionLog | None = None) -> None:
+        self.rules = rules
+        self.region = region
+        self.log = log
+        self._matmul_count = {False: 0, True: 0}
+
+    def decide(self, func: Any, *, is_recompute: bool = False) -> tuple[CheckpointPolicy, str]:
+        rules = self.rules
+        packet = getattr(func, "overloadpacket", func)
+        namespace = getattr(func, "namespace", "")
+        if namespace in _NEVER_CACHED_NAMESPACES:
+            return CheckpointPolicy.PREFER_RECOMPUTE, "profiler/FSDP/eager-collective op: never cached"
+        if _is_mutating(func):
+            return CheckpointPolicy.PREFER_RECOMPUTE, "mutates an input: a cached replay would skip the mutation"
+        if packet in rules.communication:
+            if rules.save_communication:
+                return CheckpointPolicy.MUST_SAVE, "collective output: recompute must not communicate again"
+            return CheckpointPolicy.PREFER_RECOMPUTE, "collective (selective.save_communication=false)"
+        if packet in rules.router:
+            if rules.save_router:
+                return CheckpointPolicy.MUST_SAVE, "router top-k/sort: expert assignment stable in recompute"
+            return CheckpointPolicy.PREFER_RECOMPUTE, "router op (selective.save_router=false)"
+        if packet in rules.matmuls:
+            self._matmul_count[is_recompute] += 1
+            count = self._matmul_count[is_recompute]
+            if rules.save_every_other_mm and count % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE, f"matmul #{count} in region: every other one recomputed"
+            return CheckpointPolicy.MUST_SAVE, f"matmul #{count} in region: saved"
+        if packet in rules.compute_intensive:
+            return CheckpointPolicy.MUST_SAVE, "compute-intensive (torch partitioner list / attention)"
+        return CheckpointPolicy.PREFER_RECOMPUTE, "cheap to recompute"
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        decision, reason = self.decide(func, is_recompute=bool(getattr(ctx, "is_recompute", False)))
+        if self.log is not None and self.log.enabled:
+            self.log.record(op=str(func), decision=decision.name, reason=reason, region=self.region)
+        return decision
+
+
+# ------------------------------------------------------------------------------------------------------------
+# SAC modes: torch's pair, subclassed per instance
+
+
+class _RegionCachingMixin:
+    """Forward (caching) mode: FSDP2 hook ops pass through uncounted (sac_compat); a fresh region starts with no
+    FSDP bracket open."""
+
+    def __enter__(self):
+        reset_fsdp_hook_state()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if fsdp_hook_running():
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _RegionCachedMixin:
+    """Recompute (cached) mode: the same pass-through, and torch's storage error re-raised as SACDesyncError."""
+
+    _nemo_region = ""
+    _nemo_workarounds = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if fsdp_hook_running():
+            return func(*args, **(kwargs or {}))
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except RuntimeError as exc:
+            explained = explain_sac_desync(
+                exc, region=self._nemo_region, torch_version=torch.__version__, workarounds=self._nemo_workarounds
+            )
+            if explained is None:
+                raise
+            raise explained from exc
+
+
+@functools.cache
+def _region_class(base: type, mixin: type) -> type:
+    return type(f"NemoAC{base.__name__}", (mixin, base), {})
+
+
+def _as_region_mode(mode: Any, mixin: type, **attrs: Any) -> Any:
+    """Re-class one of torch's SAC modes (private classes ``_CachingTorchDispatchMode`` /
+    ``_CachedTorchDispatchMode``) as a subclass with ``mixin`` in front. Only the instance changes; subclassing the
+    returned object instead of constructing the private classes keeps us independent of their constructor
+    signatures across torch releases."""
+    mode.__class__ = _region_class(type(mode), mixin)
+    for name, value in attrs.items():
+        setattr(mode, name, value)
+    return mode
+
+
+def make_selective_checkpoint_context_fn(
+    *,
+    config: SelectiveACConfig | None = None,
+    region: str = "",
+    workarounds: bool = True,
+    extra_save_ops: Sequence[Any] = (),
+) -> ContextFn:
+    """The generic SAC context factory: ``context_fn() -> (caching mode, cached mode)`` for one region.
+
+    workarounds: install the torch 2.13 profiler-op ignore (``ensure_profiler_ops_sac_ignored``); False only to
+    observe the torch failure. (The FSDP-hook bracket is installed on the model after fully_shard, see
+    ``install_sac_fsdp_workarounds``.)
+    """
+    config = config if config is not None else SelectiveACConfig()
+    if workarounds:
+        ensure_profiler_ops_sac_ignored()
+    rules = PolicyRules.build(config, extra_save_ops=extra_save_ops)
+    log = DecisionLog.from_env()
+
+    def context_fn() -> tuple[AbstractContextManager, AbstractContextManager]:
+        policy = SelectivePolicy(rules=rules, region=region, log=log)
+        caching, cached = create_selective_checkpoint_contexts(policy)
+        return (
+            _as_region_mode(caching, _RegionCachingMixin),
+            _as_region_mode(cached, _RegionCachedMixin, _nemo_region=region, _nemo_workarounds=workarounds),
+        )
+
+    return context_fn
+
+
+def make_moe_block_context_fn(
+    *, config: SelectiveACConfig, region: str, workarounds: bool = True, extra_save_ops: Sequence[Any] = ()
+) -> ContextFn:
+    """SAC context factory for an MoE block that holds a nested FSDP unit (experts / fp32 router sharded on their
+    own inside the checkpointed block): the layout whose FSDP2 hooks run inside the region on torch 2.13, so the
+    profiler-op ignore is installed here too, explicitly, whatever the generic factory does."""
+    if workarounds:
+        ensure_profiler_ops_sac_ignored()
+    return make_selective_checkpoint_context_fn(
+        config=config, region=region, workarounds=workarounds, extra_save_ops=extra_save_ops
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# wrapping
+
+
 def wrap_block(block: nn.Module, *, context_fns: Sequence[ContextFn]) -> nn.Module:
     kwargs = {}
     if context_fns:
@@ -65,23 +328,46 @@ def wrap_block(block: nn.Module, *, context_fns: Sequence[ContextFn]) -> nn.Modu
     )
 
 
+def block_context_fns(
+    block: nn.Module, *, index: int, config: ActivationCheckpointingConfig, moe: MoEConfig | None
+) -> list[ContextFn]:
+    """The mode's own recompute context for one block (empty for full AC)."""
+    if config.mode != "selective":
+        return []
+    region = f"model.layers.{index}"
+    if moe is not None and holds_nested_fsdp_unit(block, moe=moe):
+        return [make_moe_block_context_fn(config=config.selective, region=region, workarounds=config.workarounds)]
+    return [
+        make_selective_checkpoint_context_fn(config=config.selective, region=region, workarounds=config.workarounds)
+    ]
+
+
 def apply_ac(
     model: nn.Module,
     *,
     config: ActivationCheckpointingConfig,
-    extra_context_fns: Sequence[ContextFn] = (),
+    extra_context_fns: Sequence[ContextFn] | Callable[[int, nn.Module], Sequence[ContextFn]] = (),
+    moe: MoEConfig | None = None,
 ) -> None:
     """Wrap every decoder block in place according to ``config.mode``.
 
     extra_context_fns: recompute contexts from other concerns (e.g. the forward-thread compile context), composed
-    after the mode's own context.
+    after the mode's own context (full AC: they are the only context). A callable ``(index, block) -> contexts``
+    gives them per block (compile attaches its context only to blocks compiled inside the checkpoint).
+    moe: the model's MoE config, to recognize blocks holding a nested FSDP unit (the MoE SAC path).
     """
     if config.mode == "none":
         return
-    if config.mode == "selective":
-        raise NotImplementedError(
-            "activation_checkpointing.mode=selective is not available yet (selective AC issue); use mode: full"
-        )
     layers = decoder_layers(model)
     for index, block in enumerate(layers):
-        layers[index] = wrap_block(block, context_fns=list(extra_context_fns))
+        own = block_context_fns(block, index=index, config=config, moe=moe)
+        extra = extra_context_fns(index, block) if callable(extra_context_fns) else extra_context_fns
+        layers[index] = wrap_block(block, context_fns=[*own, *extra])
+
+
+def install_sac_fsdp_workarounds(model: nn.Module, *, config: ActivationCheckpointingConfig) -> int:
+    """After fully_shard: run FSDP2's forward hooks outside the SAC modes (sac_compat). Returns the number of
+    FSDP units bracketed (0 unless mode is selective with workarounds on)."""
+    if config.mode != "selective" or not config.workarounds:
+        return 0
+    return install_fsdp_hooks_outside_sac(model)

@@ -1,17 +1,162 @@
-"""Expert parallel: experts sharded over ``ep``, tokens dispatched / combined with all-to-all.
+"""Expert parallel: experts sharded over ``ep``, tokens dispatched to their experts' ranks and combined back.
 
-Not available yet: lands with the expert-parallel issue.
+``apply_ep`` turns each MoE layer's expert weights into DTensors ``Shard(0)`` on the ``ep`` mesh (this rank keeps
+experts ``[r * E/ep, (r + 1) * E/ep)``) and assigns an expert-parallel dispatcher to ``moe.dispatcher``. FSDP then
+shards those DTensors further over ``ep_shard`` (``nemo_ac.distributed.fsdp``); the ep mesh and the expert FSDP mesh
+are two dims of one view of the root mesh, as FSDP2 requires of a DTensor parameter.
+
+``AllToAllDispatcher`` (``backend.dispatcher: torch``) works on any backend, gloo included:
+
+1. sort the (token, slot) pairs by global expert id (``sort_by_expert``): rows become destination-rank contiguous;
+2. exchange the per-expert counts (an all-to-all of ``[ep, E_local]`` ints), then move the rows with a
+   differentiable ``all_to_all_single`` with uneven split sizes (gloo rejects the list form with uneven sizes);
+3. the received rows are (source rank, local expert) ordered: a stable sort by local expert makes them expert
+   contiguous for ``GroupedExperts``; combine undoes both permutations and the all-to-all, then weights.
+
+The differentiable all-to-all is torch's functional-collective autograd op, so its backward is the reverse
+all-to-all and torch.compile can trace it (a graph node, not a Python call on a process group).
+``backend.dispatcher: deepep`` is in ``nemo_ac.distributed.deepep_dispatcher`` (CUDA only, imported lazily).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nemo_ac.config.schema import MoEConfig
+from nemo_ac.distributed.blocks import decoder_layers, unwrap_block
+from nemo_ac.models.common.dispatch import permute_tokens, sort_by_expert, unpermute_tokens, weighted_combine
+
+
+def all_to_all_rows(
+    rows: torch.Tensor, *, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Differentiable all-to-all over dim 0 with uneven split sizes; backward sends gradients the reverse way."""
+    return funcol.all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, group)
+
+
+def source_major_to_expert_major(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order that makes received rows contiguous per local expert.
+
+    recv_counts: [ep, E_local] rows received from each source rank for each local expert; the received buffer holds
+    them source-major (all of rank 0's rows, expert by expert, then rank 1's, ...). Returns ``(order,
+    tokens_per_local_expert)`` with ``received[order]`` expert-major; within an expert rows keep source order.
+    A stable sort of each row's local expert id (no host sync beyond the row count already known).
+    """
+    ep, num_local = recv_counts.shape
+    segment_expert = torch.arange(num_local, device=recv_counts.device).repeat(ep)
+    flat_counts = recv_counts.reshape(-1)
+    row_expert = torch.repeat_interleave(segment_expert, flat_counts)
+    return sort_by_expert(row_expert, num_local)
+
+
+@dataclass
+class EPDispatchContext:
+    """What ``combine`` needs to undo ``dispatch``."""
+
+    order: torch.Tensor  # local (token, slot) pairs -> global-expert order (sent rows)
+    local_order: torch.Tensor  # received rows -> local-expert order
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+class AllToAllDispatcher:
+    """Expert-parallel dispatcher over a process group of ``ep`` ranks (rank r owns experts r*E_l ... r*E_l+E_l-1)."""
+
+    def __init__(self, *, group: dist.ProcessGroup, num_experts: int) -> None:
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the ep group size {self.ep_size}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+
+    def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """[E] counts this rank sends per global expert -> [ep, E_local] counts it receives per source rank."""
+        received = funcol.all_to_all_single(counts, None, None, self.group)
+        return received.view(self.ep_size, self.num_local_experts)
+
+    def dispatch(
+        self,
+        hidden: torch.Tensor,
+        top_idx: torch.Tensor,
+        num_experts: int,
+        top_scores: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, EPDispatchContext]:
+        if num_experts != self.num_experts:
+            raise ValueError(f"dispatcher built for {self.num_experts} experts, called with {num_experts}")
+        order, counts = sort_by_expert(top_idx, num_experts)
+        rows = permute_tokens(hidden, order, top_idx.shape[-1])
+        recv_counts = self._exchange_counts(counts)
+        # One host sync for both split lists (the all-to-all needs Python ints).
+        splits = torch.stack((counts.view(self.ep_size, -1).sum(1), recv_counts.sum(1))).tolist()
+        send_splits, recv_splits = splits[0], splits[1]
+        received = all_to_all_rows(rows, output_splits=recv_splits, input_splits=send_splits, group=self.group)
+        local_order, tokens_per_local_expert = source_major_to_expert_major(recv_counts)
+        ctx = EPDispatchContext(order=order, local_order=local_order, send_splits=send_splits, recv_splits=recv_splits)
+        return received.index_select(0, local_order), tokens_per_local_expert, ctx
+
+    def combine(self, expert_out: torch.Tensor, top_scores: torch.Tensor, ctx: EPDispatchContext) -> torch.Tensor:
+        source_major = unpermute_tokens(expert_out, ctx.local_order)
+        returned = all_to_all_rows(
+            source_major, output_splits=ctx.send_splits, input_splits=ctx.recv_splits, group=self.group
+        )
+        return weighted_combine(unpermute_tokens(returned, ctx.order), top_scores)
+
+
+def shard_experts(experts: nn.Module, *, ep_mesh: DeviceMesh) -> None:
+    """Replace each expert weight [E, ...] by a DTensor ``Shard(0)`` on ``ep_mesh`` (meta tensors stay meta).
+
+    ``src_data_rank=None``: no communication, each rank keeps its slice of whatever it holds; real values come later
+    from ``materialize_and_init``, which cuts the same slices from the full, seeded tensor.
+    """
+    for name, param in list(experts.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            raise ValueError(f"expert weight {name!r} is already a DTensor; apply_ep must run before fully_shard")
+        if param.shape[0] % ep_mesh.size():
+            raise ValueError(
+                f"expert weight {name!r} has {param.shape[0]} experts, not divisible by ep={ep_mesh.size()}"
+            )
+        sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def build_dispatcher(kind: str, *, ep_mesh: DeviceMesh, num_experts: int):
+    """The dispatcher for ``backend.dispatcher``; deepep is imported only when asked for.
+
+    Dispatchers keep no per-call state (``dispatch`` returns it as ``ctx``), so one instance serves every layer.
+    """
+    if kind == "torch":
+        return AllToAllDispatcher(group=ep_mesh.get_group(), num_experts=num_experts)
+    if kind == "deepep":
+        from nemo_ac.distributed.deepep_dispatcher import DeepEPDispatcher
+
+        return DeepEPDispatcher(group=ep_mesh.get_group(), num_experts=num_experts)
+    raise ValueError(f"backend.dispatcher: unknown dispatcher {kind!r}; use torch or deepep")
 
 
 def apply_ep(model: nn.Module, *, ep_mesh: DeviceMesh | None, dispatcher: str, moe: MoEConfig) -> None:
-    if ep_mesh is None and dispatcher == "torch":
+    """Shard every MoE layer's experts over ``ep_mesh`` and give the layer an expert-parallel dispatcher.
+
+    ``ep_mesh`` None (``parallel.ep: 1``): nothing to do; the local dispatcher stays.
+    """
+    if ep_mesh is None:
+        if dispatcher != "torch":
+            raise ValueError(
+                f"backend.dispatcher: {dispatcher!r} moves tokens between expert-parallel ranks but parallel.ep is 1; "
+                "set parallel.ep > 1 or backend.dispatcher: torch"
+            )
         return
-    raise NotImplementedError("expert parallel (parallel.ep > 1, backend.dispatcher) is not available yet")
+    shared = build_dispatcher(dispatcher, ep_mesh=ep_mesh, num_experts=moe.num_experts)
+    for block in decoder_layers(model):
+        inner = unwrap_block(block)
+        if not getattr(inner, "is_moe", False):
+            continue
+        shard_experts(inner.mlp.experts, ep_mesh=ep_mesh)
+        inner.mlp.dispatcher = shared

@@ -23,13 +23,20 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def _shard_placement_for_experts(mesh: DeviceMesh):
-    """Shard experts on dim 0 (experts) unless there are more shards than local experts, then dim 1."""
+    """Shard experts on dim 0 (experts) unless there are more shards than local experts, then dim 1.
+
+    Under expert parallel the weights arrive as DTensors ``Shard(0)`` on the ep mesh, so "local experts" are this
+    rank's E/ep; FSDP shards them over the last dim of ``mesh`` (``ep_shard``; HSDP replicates over the first).
+    Dim 0 with fewer experts than shards would leave some ranks with empty shards and uneven padding; dim 1
+    (2*I or H rows) divides evenly in every recipe.
+    """
+    shards = mesh.size(mesh.ndim - 1)
 
     def placement(param: nn.Parameter):
         from torch.distributed.tensor import Shard
 
         local_experts = param.to_local().shape[0] if hasattr(param, "to_local") else param.shape[0]
-        return Shard(1) if mesh.size() > local_experts else Shard(0)
+        return Shard(1) if shards > local_experts else Shard(0)
 
     return placement
 

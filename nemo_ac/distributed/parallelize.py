@@ -11,8 +11,8 @@ from nemo_ac.config.schema import (
     ModelConfig,
     ParallelConfig,
 )
-from nemo_ac.distributed.activation_checkpointing import apply_ac
-from nemo_ac.distributed.compile import apply_compile, recompute_context_fns
+from nemo_ac.distributed.activation_checkpointing import apply_ac, install_sac_fsdp_workarounds
+from nemo_ac.distributed.compile import apply_compile, plan_layouts, recompute_context_fns
 from nemo_ac.distributed.context_parallel import apply_cp
 from nemo_ac.distributed.expert_parallel import apply_ep
 from nemo_ac.distributed.fsdp import apply_fsdp
@@ -32,8 +32,18 @@ def parallelize(
     """Apply every parallelism to a meta-device model in place (weights are materialized afterwards)."""
     apply_ep(model, ep_mesh=meshes.ep_mesh, dispatcher=backend.dispatcher, moe=model_config.moe)
     apply_cp(model, cp_mesh=meshes.cp, cp_type=parallel.cp_type)
-    apply_ac(model, config=activation_checkpointing, extra_context_fns=recompute_context_fns(compile))
-    apply_compile(model, config=compile, moe=model_config.moe)
+    # Compile layouts are decided per block before AC wraps it: only AC(compile(block)) gets the forward-thread
+    # compile context in its checkpoint.
+    layouts = plan_layouts(
+        model, config=compile, moe=model_config.moe, activation_checkpointing=activation_checkpointing
+    )
+    apply_ac(
+        model,
+        config=activation_checkpointing,
+        extra_context_fns=recompute_context_fns(compile, layouts=layouts),
+        moe=model_config.moe,
+    )
+    apply_compile(model, config=compile, layouts=layouts)
     apply_fsdp(
         model,
         dense_mesh=meshes.dense_fsdp,
@@ -42,4 +52,6 @@ def parallelize(
         moe=model_config.moe,
         shard_inner_block=activation_checkpointing.placement == "outside",
     )
+    # After fully_shard: FSDP2's forward hooks run outside the SAC modes (torch 2.13 SAC desync, sac_compat).
+    install_sac_fsdp_workarounds(model, config=activation_checkpointing)
     return model

@@ -9,7 +9,10 @@ import torch
 from torch import nn
 
 from nemo_ac.config.schema import ModelConfig
+from nemo_ac.models.glm4_moe import build_glm4_moe
 from nemo_ac.models.interfaces import AttentionInputs, ModelOutput, RouterStats
+from nemo_ac.models.nemotron_h import build_nemotron_h
+from nemo_ac.models.qwen3_5_moe import build_qwen3_5_moe
 from nemo_ac.models.qwen3_moe import build_qwen3_moe
 
 __all__ = [
@@ -21,7 +24,12 @@ __all__ = [
     "model_dtype",
 ]
 
-MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {"qwen3_moe": build_qwen3_moe}
+MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
+    "qwen3_moe": build_qwen3_moe,
+    "glm4_moe": build_glm4_moe,
+    "nemotron_h": build_nemotron_h,
+    "qwen3_5_moe": build_qwen3_5_moe,
+}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -42,7 +42,9 @@ def default_init_rule(
     name: str, module: nn.Module, tensor: torch.Tensor, init_std: float, generator: torch.Generator
 ) -> torch.Tensor:
     """Transformers-style init: normal(0, init_std) for linear / embedding / expert / router weights, ones for
-    norm scales, zeros for biases; buffers come from the owning module's ``initial_buffer(name)``."""
+    norm scales, zeros for biases; buffers come from the owning module's ``initial_buffer(name)``, and a module with
+    its own scheme (Mamba's A_log / D / dt_bias, gated norms) says so via ``initial_parameter(name, generator)``
+    returning a full tensor (or None to fall back to the rules here)."""
     local = name.rsplit(".", 1)[-1]
     if not isinstance(tensor, nn.Parameter):
         initial = getattr(module, "initial_buffer", None)
@@ -50,6 +52,11 @@ def default_init_rule(
             raise ValueError(f"no init rule for buffer {name!r} (module {type(module).__name__} has no initial_buffer)")
         return initial(local).to(torch.float32)
     shape = tuple(tensor.shape)
+    initial_parameter = getattr(module, "initial_parameter", None)
+    if initial_parameter is not None:
+        value = initial_parameter(local, generator)
+        if value is not None:
+            return value.to(torch.float32)
     if isinstance(module, RMSNorm):
         return torch.ones(shape)
     if local == "bias":
@@ -57,7 +64,15 @@ def default_init_rule(
     return torch.empty(shape).normal_(0.0, init_std, generator=generator)
 
 
-INIT_RULES: dict[str, InitRule] = {"qwen3_moe": default_init_rule}
+# glm4_moe / nemotron_h need nothing beyond the default: their special tensors (router bias buffer, Mamba's A_log /
+# D / dt_bias, gated norm) carry initial_buffer / initial_parameter hooks.
+INIT_RULES: dict[str, InitRule] = {
+    "qwen3_moe": default_init_rule,
+    "glm4_moe": default_init_rule,
+    "nemotron_h": default_init_rule,
+    # qwen3_5_moe: zero-centered norms, vision LayerNorms, A_log / dt_bias and gated norms use the same hooks.
+    "qwen3_5_moe": default_init_rule,
+}
 
 
 def _owner(model: nn.Module, name: str) -> nn.Module:
@@ -65,7 +80,12 @@ def _owner(model: nn.Module, name: str) -> nn.Module:
     return model.get_submodule(prefix) if prefix else model
 
 
-def _copy_full_into(dst: torch.Tensor, full: torch.Tensor) -> None:
+def copy_full_into(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """Copies a full (unsharded) tensor into ``dst``: all of it, or this rank's shard when ``dst`` is a DTensor.
+
+    ``src_data_rank=None`` makes ``distribute_tensor`` slice locally without communication: every rank holds
+    ``full`` (generated from the same seed, or read from the same checkpoint file).
+    """
     if isinstance(dst, DTensor):
         shard = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
         dst.to_local().copy_(shard.to(device=dst.device, dtype=dst.dtype))
@@ -86,7 +106,7 @@ def init_weights(model: nn.Module, *, seed: int, init_std: float | None = None, 
         full = rule(canon, _owner(model, name), tensor, std, generator)
         if tuple(full.shape) != tuple(tensor.shape):
             raise ValueError(f"init rule built {tuple(full.shape)} for {name!r} of shape {tuple(tensor.shape)}")
-        _copy_full_into(tensor, full)
+        copy_full_into(tensor, full)
 
 
 def materialize_and_init(

@@ -6,9 +6,11 @@ prepared for this rank (context-parallel sharding, attention metadata) by ``prep
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -113,7 +115,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         started = time.perf_counter()
-        prepared = [self.prepare_batch(batch.to(self.device)) for batch in self.data.batches_for_step(self.step)]
+        prepared = [self.prepare_batch(batch.to(self.device)) for batch in self._next_micro_batches()]
         local_tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in prepared)
         local_positions = sum(int(b.labels.numel()) for b in prepared)
         global_tokens, global_positions = (int(v) for v in self._all_reduce([local_tokens, local_positions]))
@@ -165,12 +167,47 @@ class Trainer:
             extra=extra,
         )
 
+    def _next_micro_batches(self) -> list[PackedBatch]:
+        """This rank's micro batches of step ``self.step + 1``.
+
+        A data source with a position (an iterator such as ``SyntheticBatches``, whose ``state_dict`` a checkpoint
+        stores) is advanced here, so its position always equals the completed-step counter; a mismatch means the
+        two were restored from different checkpoints and would silently train on other data.
+        """
+        if isinstance(self.data, Iterator):
+            position = getattr(self.data, "next_step", self.step)
+            if position != self.step:
+                raise RuntimeError(f"data position next_step={position} != completed steps {self.step}")
+            return next(self.data)
+        return self.data.batches_for_step(self.step)
+
     def fit(self, *, on_step_end: Callable[[int], None] | None = None) -> list[StepMetrics]:
+        """Train from ``self.step`` (0, or the step a checkpoint restored) to ``options.steps``."""
         while self.step < self.options.steps:
             metrics = self.train_step()
             self.logger.log(metrics)
             if on_step_end is not None:
                 on_step_end(self.step)
             if self.options.fail_after_step and self.step == self.options.fail_after_step:
-                raise RuntimeError(f"train.fail_after_step={self.step}: injected failure for fault-tolerance tests")
+                inject_failure(self.step)
         return self.logger.history
+
+
+def inject_failure(step: int) -> None:
+    """``train.fail_after_step``: fault injection for the resume tests, after that step's checkpoint.
+
+    Under torchrun (``TORCHELASTIC_RESTART_COUNT`` is set) only the first attempt fails, and it fails the way a
+    lost node does: the last rank SIGKILLs itself (no exception handler, no cleanup) while its peers carry on into
+    the next collective, which fails; the elastic agent tears the group down and, with ``--max-restarts``, starts
+    a new attempt that resumes from the checkpoint and must not fail again. Without torchrun every rank raises.
+    """
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restarts is None:
+        raise RuntimeError(f"train.fail_after_step={step}: injected failure for fault-tolerance tests")
+    if int(restarts) > 0:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if rank == world - 1:
+        print(f"train.fail_after_step={step}: rank {rank} kills itself (SIGKILL, first attempt only)", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)

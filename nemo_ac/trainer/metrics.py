@@ -49,8 +49,28 @@ class StepMetrics:
         return data
 
 
+def _records_through(path: Path, step: int) -> str:
+    """The JSONL lines of ``path`` whose step is <= ``step`` (empty for a fresh run or a missing file)."""
+    if step <= 0 or not path.exists():
+        return ""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by the crash that made this a resume
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line + "\n")
+    return "".join(kept)
+
+
 class MetricsLogger:
-    """Writes on rank 0 only; other ranks construct it with ``enabled=False``."""
+    """Writes on rank 0 only; other ranks construct it with ``enabled=False``.
+
+    ``resumed_from_step``: a run resumed from a checkpoint of that step keeps the earlier attempts' JSONL records of
+    steps <= it and appends, so metrics.jsonl tells the whole curve once; records of later steps are dropped,
+    because those steps are trained again.
+    """
 
     def __init__(
         self,
@@ -62,6 +82,7 @@ class MetricsLogger:
         progress_bar: str,
         log_every: int,
         stream: TextIO | None = None,
+        resumed_from_step: int = 0,
     ) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
@@ -74,7 +95,7 @@ class MetricsLogger:
         if enabled and jsonl:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             self.jsonl_path = Path(run_dir) / "metrics.jsonl"
-            self.jsonl_path.write_text("")
+            self.jsonl_path.write_text(_records_through(self.jsonl_path, resumed_from_step))
 
     def log(self, metrics: StepMetrics) -> None:
         self.history.append(metrics)

@@ -79,7 +79,14 @@ def packed_causal_attention(
 
 
 class Attention(nn.Module):
-    """Multi-head attention with GQA, optional per-head q/k RMSNorm (Qwen3) and optional projection biases."""
+    """Multi-head attention with GQA, optional per-head q/k RMSNorm (Qwen3) and optional projection biases.
+
+    ``attention_bias`` puts biases on q/k/v and, unless ``o_proj_bias`` says otherwise, on o_proj (Qwen3); GLM-4.5
+    biases q/k/v only (``o_proj_bias=False``). ``rope=None`` in forward skips rotary embedding (Nemotron-H
+    attention layers use no positional encoding). ``output_gate`` (Qwen3.5/3.6 gated attention) makes q_proj also
+    emit a per-head gate and scales the attention output by ``sigmoid(gate)`` before o_proj; ``norm_cls`` builds the
+    q/k norms (Qwen3.5 uses a zero-centered RMSNorm).
+    """
 
     def __init__(
         self,
@@ -91,6 +98,9 @@ class Attention(nn.Module):
         qk_norm: bool = True,
         attention_bias: bool = False,
         rms_norm_eps: float = 1e-6,
+        o_proj_bias: bool | None = None,
+        output_gate: bool = False,
+        norm_cls: Callable[[int, float], nn.Module] = RMSNorm,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -98,24 +108,37 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=attention_bias)
+        self.output_gate = output_gate
+        # With an output gate q_proj also yields the gate: per head [q_h | gate_h] (Qwen3.5/3.6 layout).
+        q_out = num_heads * head_dim * (2 if output_gate else 1)
+        self.q_proj = nn.Linear(hidden_size, q_out, bias=attention_bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=attention_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=attention_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=attention_bias)
-        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.o_proj = nn.Linear(
+            num_heads * head_dim, hidden_size, bias=attention_bias if o_proj_bias is None else o_proj_bias
+        )
+        self.q_norm = norm_cls(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = norm_cls(head_dim, rms_norm_eps) if qk_norm else None
         # Swappable core op (context parallel); a plain function attribute, not a submodule.
         self.attn_op: AttentionOp = packed_causal_attention
 
     def forward(
-        self, x: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionInputs
+        self, x: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor] | None, attn: AttentionInputs
     ) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        gate = None
+        if self.output_gate:
+            q, gate = self.q_proj(x).view(b, s, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(b, s, self.num_heads * self.head_dim)
+        else:
+            q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
-        out = self.attn_op(q, k, v, attn)
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+        if rope is not None:
+            q, k = apply_rotary(q, k, *rope)
+        out = self.attn_op(q, k, v, attn).reshape(b, s, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)

@@ -72,8 +72,9 @@ class LocalDispatcher:
     """Single-process dispatcher: a sort by expert id and its inverse, no communication."""
 
     def dispatch(
-        self, hidden: torch.Tensor, top_idx: torch.Tensor, num_experts: int
+        self, hidden: torch.Tensor, top_idx: torch.Tensor, num_experts: int, top_scores: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchContext]:
+        """``top_scores`` is unused here (``combine`` weights); dispatchers that weight on the expert side need it."""
         order, tokens_per_expert = sort_by_expert(top_idx, num_experts)
         return permute_tokens(hidden, order, top_idx.shape[-1]), tokens_per_expert, LocalDispatchContext(order)
 

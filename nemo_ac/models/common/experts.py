@@ -1,9 +1,12 @@
 """Routed experts stored as 3D weights (transformers 5 ``Qwen3MoeExperts`` layout).
 
 ``gate_up_proj`` is [E, 2*I, H] (gate rows first, then up rows) for SwiGLU, or [E, I, H] for ``relu2``
-(``relu(x)^2``, no gate, Nemotron-H); ``down_proj`` is [E, H, I]. The forward takes rows already permuted into
-expert-contiguous order and the per-expert counts, so it is agnostic to how tokens got there (local sort or
-expert-parallel all-to-all). ``E`` here is the number of *local* experts (dim 0 of the weights).
+(``relu(x)^2``, no gate, Nemotron-H); ``down_proj`` is [E, H, I]. The first weight's attribute name is
+``in_proj_name`` (default ``gate_up_proj``; Nemotron-H's transformers name is ``up_proj``) so state-dict keys equal
+the reference family's; code outside should use the ``in_proj`` property rather than either name. The forward
+takes rows already permuted into expert-contiguous order and the per-expert counts, so it is agnostic to how tokens
+got there (local sort or expert-parallel all-to-all). ``E`` here is the number of *local* experts (dim 0 of the
+weights).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class GroupedExperts(nn.Module):
         *,
         activation: Literal["silu", "relu2"] = "silu",
         impl: Literal["loop", "grouped_mm"] = "loop",
+        in_proj_name: Literal["gate_up_proj", "up_proj"] = "gate_up_proj",
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -44,9 +48,17 @@ class GroupedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.activation = activation
         self.impl = impl
+        if activation == "silu" and in_proj_name != "gate_up_proj":
+            raise ValueError("gated (silu) experts keep gate and up rows in one 'gate_up_proj' weight")
+        self.in_proj_name = in_proj_name
         up_rows = 2 * intermediate_size if activation == "silu" else intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, up_rows, hidden_size))
+        self.register_parameter(in_proj_name, nn.Parameter(torch.empty(num_experts, up_rows, hidden_size)))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    @property
+    def in_proj(self) -> torch.Tensor:
+        """The [E, 2I or I, H] input projection, whatever its attribute name (FSDP2 swaps it by that name)."""
+        return getattr(self, self.in_proj_name)
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
         if self.activation == "silu":
@@ -56,7 +68,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: [N, H] expert-contiguous rows; tokens_per_expert: [E_local] int counts summing to N. Returns [N, H]."""
-        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        gate_up, down = _local(self.in_proj), _local(self.down_proj)
         if gate_up.shape[0] != tokens_per_expert.shape[0]:
             raise ValueError(
                 f"tokens_per_expert has {tokens_per_expert.shape[0]} entries but there are {gate_up.shape[0]} "

@@ -1,4 +1,8 @@
-"""Dense SwiGLU feed-forward (transformers' names gate_proj / up_proj / down_proj)."""
+"""Dense feed-forward blocks with transformers' names.
+
+``MLP`` is SwiGLU (gate_proj / up_proj / down_proj: Qwen3, GLM and their shared experts). ``NonGatedMLP`` is
+``down(relu(up(x))^2)`` (up_proj / down_proj, optional biases: Nemotron-H dense layers and shared experts).
+"""
 
 from __future__ import annotations
 
@@ -18,3 +22,15 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class NonGatedMLP(nn.Module):
+    """``down(relu(up(x))^2)``: Nemotron-H's squared-ReLU MLP (no gate projection)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())

@@ -1,0 +1,302 @@
+"""Per-thread torch.compile accounting: compiles, recompiles (with reasons), graph breaks, eager fallbacks.
+
+Why per thread: since torch 2.12 Dynamo's config is per thread, and with AC(compile(block)) the recompute
+compiles during backward, which on GPU runs on the autograd device thread. A healthy run compiles on the training
+thread in its first steps and then never again, on no thread; compiles that keep appearing on the backward thread
+are the symptom of a recompute running without the forward thread's settings (see nemo_ac.distributed.compile).
+
+Sources (all resolved defensively; none changes what torch does):
+- ``torch._dynamo.callback_handler`` start/end callbacks: run on the compiling thread for every Dynamo frame
+  compile and every lazily compiled AOTAutograd backward graph -> per-thread counts, and graph breaks as the
+  growth of ``torch._dynamo.utils.counters["graph_break"]`` during that compile.
+- ``torch._dynamo.utils.get_compilation_metrics()``: recompile reasons, joined to the thread by compile id.
+- the warning Dynamo logs on ``torch._dynamo.convert_frame`` when a frame hits its recompile limit: from then on
+  the frame runs eagerly. Turned into an ``EagerFallbackWarning`` (loud, per thread); so is a compile(AC(block))
+  entry frame that captured no graph (a graph break inside a traced checkpoint makes Dynamo skip the region).
+
+This module imports nothing from nemo_ac.distributed / trainer (diagnostics are used by them, not the reverse).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger("nemo_ac.compile")
+
+FORWARD = "fwd"  # the thread that installed the accounting: the training loop's
+OTHER = "bwd"  # every other thread: the autograd device thread on GPU, train.backward_on_thread on CPU
+UNKNOWN = "unknown"
+
+_LIMIT_LOGGER = "torch._dynamo.convert_frame"
+_LIMIT_PREFIX = "torch._dynamo hit config."
+
+
+class EagerFallbackWarning(RuntimeWarning):
+    """A compiled block (or a piece of one) runs eagerly from now on."""
+
+
+@dataclass
+class ThreadCounts:
+    """Cumulative counts of one thread class (fwd / bwd)."""
+
+    compiles: int = 0  # Dynamo frame compiles
+    recompiles: int = 0  # of which recompiles of an already compiled frame
+    graph_breaks: int = 0
+    backward_graphs: int = 0  # AOTAutograd backward graphs compiled lazily at their first backward
+    reasons: Counter = field(default_factory=Counter)  # recompile reason (first line) -> count
+    frames: Counter = field(default_factory=Counter)  # compiled code ("name (file:line)") -> compiles
+
+
+@dataclass(frozen=True)
+class EagerFallback:
+    thread: str
+    code: str
+    reason: str
+
+    def message(self) -> str:
+        return (
+            f"nemo_ac: EAGER FALLBACK on the {self.thread} thread: {self.code} runs eagerly from now on ({self.reason})"
+        )
+
+
+def _graph_break_total() -> int:
+    try:
+        return int(sum(torch._dynamo.utils.counters["graph_break"].values()))
+    except Exception:
+        return 0
+
+
+def _compilation_metrics() -> list[Any]:
+    try:
+        return list(torch._dynamo.utils.get_compilation_metrics())
+    except Exception:
+        return []
+
+
+def _callback_handler() -> Any | None:
+    """``torch._dynamo.callback_handler`` (private; present 2.4 - 2.13)."""
+    handler = getattr(torch._dynamo, "callback_handler", None)
+    if handler is None or not hasattr(handler, "register_start_callback"):
+        return None
+    return handler
+
+
+class _LimitHitHandler(logging.Handler):
+    def __init__(self, accounting: CompileAccounting) -> None:
+        super().__init__(level=logging.WARNING)
+        self.accounting = accounting
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not isinstance(record.msg, str) or not record.msg.startswith(_LIMIT_PREFIX):
+            return
+        args = record.args if isinstance(record.args, tuple) else ()
+        limit = f"{args[0]}={args[1]}" if len(args) >= 2 else "recompile limit"
+        code = str(args[2]) if len(args) >= 3 else "a compiled frame"
+        reason = str(args[3]).splitlines()[0] if len(args) >= 4 and args[3] else "no reason recorded"
+        self.accounting._fallback(
+            EagerFallback(
+                thread=self.accounting._label(record.thread),
+                code=code,
+                reason=f"hit {limit}; last recompile reason: {reason}",
+            ),
+            from_log=True,
+        )
+
+
+class CompileAccounting:
+    """Counts compile events per thread class while installed (use as a context manager or install/close).
+
+    watch_checkpoint_entries: ``(co_filename, co_firstlineno)`` of compiled functions that trace a checkpoint
+        (compile(AC(block))); one that compiles to an empty graph ran its whole checkpoint eagerly.
+    """
+
+    def __init__(self, *, watch_checkpoint_entries: Iterable[tuple[str, int]] = ()) -> None:
+        self.forward_ident = threading.get_ident()
+        self.watch = set(watch_checkpoint_entries)
+        self.threads = {FORWARD: ThreadCounts(), OTHER: ThreadCounts()}
+        self.fallbacks: list[EagerFallback] = []
+        self._lock = threading.Lock()
+        self._open: dict[int, tuple[str, str, str, int]] = {}  # thread ident -> (label, trigger, compile id, gb0)
+        self._compile_thread: dict[str, str] = {}  # Dynamo compile id -> label
+        self._seen_metrics: set[tuple[Any, ...]] = set()
+        self._handler: Any | None = None
+        self._log_handler: _LimitHitHandler | None = None
+        self._limit_hits_logged = 0  # reported by the log handler, not yet matched to a metrics entry
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def install(self) -> CompileAccounting:
+        self._seen_metrics = {self._metrics_key(m) for m in _compilation_metrics()}  # earlier compiles are not ours
+        self._handler = _callback_handler()
+        if self._handler is not None:
+            self._handler.register_start_callback(self._on_start)
+            self._handler.register_end_callback(self._on_end)
+        else:
+            log.warning("torch._dynamo.callback_handler not found: per-thread compile counts are unavailable")
+        self._log_handler = _LimitHitHandler(self)
+        logging.getLogger(_LIMIT_LOGGER).addHandler(self._log_handler)
+        return self
+
+    def close(self) -> None:
+        if self._handler is not None:
+            for remove, callback in (
+                (self._handler.remove_start_callback, self._on_start),
+                (self._handler.remove_end_callback, self._on_end),
+            ):
+                with contextlib.suppress(ValueError):
+                    remove(callback)
+            self._handler = None
+        if self._log_handler is not None:
+            logging.getLogger(_LIMIT_LOGGER).removeHandler(self._log_handler)
+            self._log_handler = None
+
+    def __enter__(self) -> CompileAccounting:
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- callbacks (run on the compiling thread) ---------------------------------------------------------------
+    def _label(self, ident: int | None = None) -> str:
+        ident = threading.get_ident() if ident is None else ident
+        return FORWARD if ident == self.forward_ident else OTHER
+
+    def _on_start(self, args: Any) -> None:
+        trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
+        compile_id = str(getattr(args, "compile_id", ""))
+        with self._lock:
+            self._open[threading.get_ident()] = (self._label(), trigger, compile_id, _graph_break_total())
+
+    def _on_end(self, args: Any) -> None:
+        with self._lock:
+            opened = self._open.pop(threading.get_ident(), None)
+            if opened is None:
+                return
+            label, trigger, compile_id, breaks_before = opened
+            counts = self.threads[label]
+            counts.graph_breaks += max(_graph_break_total() - breaks_before, 0)
+            if trigger == "LAZY_BACKWARD":
+                counts.backward_graphs += 1
+            elif trigger == "DYNAMO":
+                counts.compiles += 1
+                self._compile_thread[compile_id] = label
+
+    def _fallback(self, fallback: EagerFallback, *, from_log: bool = False) -> None:
+        with self._lock:
+            self.fallbacks.append(fallback)
+            self._limit_hits_logged += int(from_log)
+        warnings.warn(fallback.message(), EagerFallbackWarning, stacklevel=2)
+        log.error(fallback.message())
+
+    # -- joining Dynamo's compilation metrics ----------------------------------------------------------------------
+    @staticmethod
+    def _metrics_key(entry: Any) -> tuple[Any, ...]:
+        return (entry.compile_id, entry.is_forward, entry.start_time_us, entry.co_name)
+
+    def refresh(self) -> None:
+        """Fold new compilation-metrics entries in (recompile reasons, empty checkpoint graphs). Cheap."""
+        for entry in _compilation_metrics():
+            key = self._metrics_key(entry)
+            if key in self._seen_metrics:
+                continue
+            self._seen_metrics.add(key)
+            if entry.is_forward is False:
+                continue
+            label = self._compile_thread.get(str(entry.compile_id))
+            reason = (entry.recompile_reason or "").splitlines()[0] if entry.recompile_reason else ""
+            if label is None:
+                # Never reached the compile callbacks: Dynamo gave up before compiling (recompile limit). The log
+                # handler reported it with its thread; report it here only if logging was silenced.
+                if "recompile limit" in (entry.fail_reason or ""):
+                    with self._lock:
+                        logged = self._limit_hits_logged > 0
+                        self._limit_hits_logged -= int(logged)
+                    if not logged:
+                        self._fallback(EagerFallback(UNKNOWN, _code(entry), f"recompile limit hit: {reason}"))
+                continue
+            with self._lock:
+                self.threads[label].frames[_code(entry)] += 1
+                if reason:
+                    self.threads[label].recompiles += 1
+                    self.threads[label].reasons[reason] += 1
+            if (entry.co_filename, entry.co_firstlineno) in self.watch and not entry.graph_op_count:
+                self._fallback(
+                    EagerFallback(
+                        label,
+                        _code(entry),
+                        "compile(AC(block)) captured no graph: a graph break inside the traced checkpoint (e.g. a "
+                        "nested FSDP unit's hooks) makes Dynamo skip the whole region; use compile.layout ac_outer",
+                    )
+                )
+
+    # -- views ------------------------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, int]:
+        """Cumulative counts for the per-step metrics line (fwd: training thread; bwd: every other thread)."""
+        self.refresh()
+        fwd, bwd = self.threads[FORWARD], self.threads[OTHER]
+        return {
+            "compiles_fwd": fwd.compiles,
+            "compiles_bwd": bwd.compiles,
+            "recompiles_fwd": fwd.recompiles,
+            "recompiles_bwd": bwd.recompiles,
+            "graph_breaks": fwd.graph_breaks + bwd.graph_breaks,
+            "bwd_graphs": fwd.backward_graphs + bwd.backward_graphs,
+            "eager_fallbacks": len(self.fallbacks),
+        }
+
+    def metric_sources(self) -> dict[str, Callable[[], int]]:
+        """For ``LoopOptions.metric_sources``: one callable per metric, sharing one refresh per step."""
+        cache: dict[str, int] = {}
+        names = list(self.metrics())
+
+        def source(name: str) -> Callable[[], int]:
+            def read() -> int:
+                if name == names[0] or not cache:
+                    cache.clear()
+                    cache.update(self.metrics())
+                return cache[name]
+
+            return read
+
+        return {name: source(name) for name in names}
+
+    def summary(self, *, top: int = 5) -> dict[str, Any]:
+        """Totals plus the most frequent recompile reasons per thread and every eager fallback (JSON-able)."""
+        result: dict[str, Any] = dict(self.metrics())
+        for label, counts in self.threads.items():
+            if counts.reasons:
+                result[f"recompile_reasons_{label}"] = dict(counts.reasons.most_common(top))
+            if label == OTHER and counts.frames:
+                result[f"compiled_frames_{label}"] = dict(counts.frames.most_common(top))
+        if self.fallbacks:
+            result["eager_fallback_sites"] = [f"{f.thread}: {f.code}: {f.reason}" for f in self.fallbacks]
+        return result
+
+    def report(self) -> str:
+        """A few human-readable lines for the end of a run."""
+        m = self.metrics()
+        lines = [
+            f"compile | fwd thread: {m['compiles_fwd']} compiles ({m['recompiles_fwd']} recompiles) | "
+            f"bwd thread(s): {m['compiles_bwd']} compiles ({m['recompiles_bwd']} recompiles) | "
+            f"{m['bwd_graphs']} backward graphs | {m['graph_breaks']} graph breaks | "
+            f"{m['eager_fallbacks']} eager fallbacks"
+        ]
+        for label, counts in self.threads.items():
+            for reason, count in counts.reasons.most_common(3):
+                lines.append(f"compile | {label} recompile x{count}: {reason}")
+        for frame, count in self.threads[OTHER].frames.most_common(3):
+            lines.append(f"compile | compiled on a bwd thread x{count}: {frame}")
+        lines.extend(f.message() for f in self.fallbacks)
+        return "\n".join(lines)
+
+
+def _code(entry: Any) -> str:
+    return f"'{entry.co_name}' ({entry.co_filename}:{entry.co_firstlineno})"

@@ -1,0 +1,268 @@
+"""Gated DeltaNet linear attention (the ``linear_attention`` layers of Qwen3.5 / Qwen3.6) over packed documents.
+
+Parameter names equal transformers' ``Qwen3_5MoeGatedDeltaNet`` (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a,
+conv1d, dt_bias, A_log, norm, out_proj), so HF checkpoints load by name.
+
+Everything that mixes along the sequence -- the causal depthwise conv1d over the q/k/v channels and the gated delta
+rule recurrence -- lives in one swappable op, ``GatedDeltaNet.linear_attn_op`` (a plain attribute, like
+``Attention.attn_op``)::
+
+    linear_attn_op(q, k, v, g, beta, conv_weights, attn) -> out [B, S, Hv, dv]  (dtype of v)
+      q, k:  [B, S, Hk, dk]  in_proj_qkv output, before the conv (the op convolves, applies SiLU, L2-normalizes)
+      v:     [B, S, Hv, dv]  idem
+      g:     [B, S, Hv] fp32 log-decay (<= 0): the state is multiplied by exp(g_t) at token t
+      beta:  [B, S, Hv] write strength in (0, 1)
+      conv_weights: (wq [Hk, dk, K], wk [Hk, dk, K], wv [Hv, dv, K]) the depthwise conv kernel split per head
+      attn:  AttentionInputs whose document_ids cover the sequence the op sees
+
+All other work of the layer is per token, so Ulysses context parallelism can all-to-all every input from
+[B, S/cp, H, .] to [B, S, H/cp, .], slice the conv weights along dim 0 to the local heads (a rank keeps Hk/cp key
+heads and the Hv/cp value heads that read them, since value head i reads key head i // (Hv/Hk)), call the inner op
+with the full-sequence document_ids and all-to-all the output back. Ring CP would need the recurrent state passed
+between ranks and is rejected by config validation.
+
+Packed documents: the conv never reads a token of another document and the recurrent state restarts at every
+document start (a run of equal ``document_ids``), so a packed row computes exactly what each document computes alone.
+The chunked form follows transformers' ``torch_chunk_gated_delta_rule`` (UT transform within chunks, a scan over
+chunks) with the within-chunk decays masked to same-document pairs and the carried-in state masked for tokens whose
+document starts inside the chunk. Tensor ops only (no ``.item()``), so torch.compile does not specialize on the
+document layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nemo_ac.config.schema import LinearAttentionConfig
+from nemo_ac.models.interfaces import AttentionInputs
+
+ConvWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+LinearAttentionOp = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ConvWeights, AttentionInputs], torch.Tensor
+]
+
+
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool, True at the first token of every run of equal document ids (and at position 0)."""
+    first = torch.ones_like(document_ids[:, :1], dtype=torch.bool)
+    return torch.cat((first, document_ids[:, 1:] != document_ids[:, :-1]), dim=1)
+
+
+def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """SiLU of a causal depthwise conv over the sequence that never crosses a document boundary.
+
+    x: [B, S, H, d]; weight: [H, d, K] (``weight[..., K-1]`` multiplies the current token, as in
+    ``nn.Conv1d(padding=K-1)`` truncated to the first S outputs); document_ids: [B, S]. Returns [B, S, H, d].
+    """
+    kernel = weight.shape[-1]
+    seq = x.shape[1]
+    w = weight.to(x.dtype)
+    out = x * w[..., kernel - 1]
+    for shift in range(1, min(kernel, seq)):
+        prev = F.pad(x[:, : seq - shift], (0, 0, 0, 0, shift, 0))
+        same = document_ids[:, shift:] == document_ids[:, :-shift]
+        same = torch.cat((torch.zeros_like(same[:, :1]).expand(-1, shift), same), dim=1)
+        out = out + prev * same[:, :, None, None].to(x.dtype) * w[..., kernel - 1 - shift]
+    return F.silu(out)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """``F.softplus(x)`` (beta 1, threshold 20) written with elementwise primitives.
+
+    Why not ``F.softplus``: under torch.compile (torch 2.13, aot_eager and AOT-based backends) the backward graph
+    assumes a contiguous ``softplus_backward`` output, but the gradient reaching the decay here is a transposed view
+    (the chunked rule works in [B, H, S] layout), so the following ``view`` fails with "view size is not compatible
+    with input tensor's size and stride". Same values and gradient (sigmoid) as ``F.softplus``.
+    """
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp(max=20.0))))
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (the FLA / transformers convention)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    doc_starts: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Chunked gated delta rule with state resets at document starts, in fp32.
+
+    Recurrence per head: ``S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S_{t-1}' k_t))^T`` with the decayed state
+    ``S_{t-1}' = exp(g_t) S_{t-1}``, output ``o_t = S_t^T q_t / sqrt(dk)``; ``S`` restarts from zero at every
+    ``doc_starts`` token. q, k: [B, S, H, dk] (already L2-normalized), v: [B, S, H, dv], g, beta: [B, S, H],
+    doc_starts: [B, S] bool or None (one document per row). Returns [B, S, H, dv] in q's dtype.
+    """
+    out_dtype = q.dtype
+    b, s, h, dk = k.shape
+    dv = v.shape[-1]
+    c = chunk_size
+    q, k, v = (t.transpose(1, 2).to(torch.float32) for t in (q, k, v))
+    g, beta = (t.transpose(1, 2).to(torch.float32) for t in (g, beta))
+    q = q * dk**-0.5
+    starts = torch.zeros(b, s, dtype=torch.bool, device=q.device) if doc_starts is None else doc_starts.to(q.device)
+    pad = (-s) % c
+    if pad:  # zero tokens after the end: no write (k = beta = 0), outputs dropped
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+        starts = torch.cat((starts, starts.new_zeros(b, pad)), dim=1)
+    n = (s + pad) // c
+    q, k, v = (t.reshape(b, h, n, c, t.shape[-1]) for t in (q, k, v))
+    g, beta = g.reshape(b, h, n, c), beta.reshape(b, h, n, c)
+
+    # Segments inside each chunk: 0 = the document that was running when the chunk began (reads the carried state).
+    seg = starts.reshape(b, 1, n, c).to(torch.int32).cumsum(-1)
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    within = (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal  # [B, 1, N, C, C]: j <= i, same document
+    carried = seg == 0  # [B, 1, N, C]
+    # Cumulative log-decay restarted at each document start (a masked sum: no cancellation across documents).
+    cum = (within.to(torch.float32) @ g.unsqueeze(-1)).squeeze(-1)  # [B, H, N, C]
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~within, float("-inf")).exp()
+
+    k_beta = k * beta.unsqueeze(-1)
+    v_beta = v * beta.unsqueeze(-1)
+    ut_system = (k_beta @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)) * decay
+    read = cum.exp() * carried  # decay from the chunk start, 0 for documents that start inside the chunk
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, k_beta * read.unsqueeze(-1), upper=False, unitriangular=True)
+    q_read = q * read.unsqueeze(-1)
+    to_end = (cum[..., -1:] - cum).masked_fill(~within[..., -1, :], float("-inf")).exp()
+    k_write = k * to_end.unsqueeze(-1)
+    chunk_decay = read[..., -1]  # [B, H, N]
+
+    state = q.new_zeros(b, h, dk, dv)
+    outs = []
+    for i in range(n):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
+        outs.append(q_read[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i, None, None] + k_write[:, :, i].transpose(-1, -2) @ v_new
+    out = torch.stack(outs, dim=2).reshape(b, h, n * c, dv)[:, :, :s]
+    return out.transpose(1, 2).contiguous().to(out_dtype)
+
+
+def packed_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weights: ConvWeights,
+    attn: AttentionInputs,
+    *,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """The default ``linear_attn_op`` (signature in the module docstring): document-masked conv + SiLU, GQA
+    repeat of q/k to the value heads, L2 norm, chunked gated delta rule with document resets."""
+    doc = attn.document_ids.to(q.device)
+    wq, wk, wv = conv_weights
+    q = packed_causal_conv1d(q, wq, doc)
+    k = packed_causal_conv1d(k, wk, doc)
+    v = packed_causal_conv1d(v, wv, doc)
+    ratio = v.shape[2] // q.shape[2]
+    if ratio > 1:
+        q = q.repeat_interleave(ratio, dim=2)
+        k = k.repeat_interleave(ratio, dim=2)
+    q = l2norm(q.to(torch.float32))
+    k = l2norm(k.to(torch.float32))
+    out = chunk_gated_delta_rule(q, k, v, g, beta, doc_starts=document_starts(doc), chunk_size=chunk_size)
+    return out.to(v.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm then ``* silu(gate)`` (transformers' ``Qwen3_5MoeRMSNormGated``; weight initialized to 1)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def initial_parameter(self, name: str, generator: torch.Generator) -> torch.Tensor | None:
+        """Init hook of ``nemo_ac.models.init``: the scale starts at one."""
+        return torch.ones(self.weight.shape) if name == "weight" else None
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(input_dtype)
+        return (out * F.silu(gate.to(torch.float32))).to(input_dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer. ``forward(x [B, S, H], *, attn) -> [B, S, H]``."""
+
+    def __init__(self, hidden_size: int, cfg: LinearAttentionConfig, *, rms_norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        if cfg.num_value_heads % cfg.num_key_heads:
+            raise ValueError(
+                f"linear_attention.num_value_heads ({cfg.num_value_heads}) must be a multiple of num_key_heads "
+                f"({cfg.num_key_heads})"
+            )
+        self.num_k_heads = cfg.num_key_heads
+        self.num_v_heads = cfg.num_value_heads
+        self.head_k_dim = cfg.key_head_dim
+        self.head_v_dim = cfg.value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_kernel_size = cfg.conv_kernel
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        # Only its weight [conv_dim, 1, K] is used (by the op); the module keeps the HF name and shape.
+        self.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, kernel_size=cfg.conv_kernel, groups=conv_dim, bias=False, padding=cfg.conv_kernel - 1
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        # Swappable sequence-mixing core (context parallel); a plain attribute, not a submodule.
+        self.linear_attn_op: LinearAttentionOp = functools.partial(packed_gated_delta_rule, chunk_size=cfg.chunk_size)
+
+    def initial_parameter(self, name: str, generator: torch.Generator) -> torch.Tensor | None:
+        """Init hook of ``nemo_ac.models.init`` (transformers' scheme): ``A = exp(A_log) ~ U(0.01, 16)`` per value
+        head, ``dt_bias = 1``; projections and the conv kernel take the default normal init."""
+        if name == "A_log":
+            return torch.empty(self.num_v_heads).uniform_(0.01, 16.0, generator=generator).log_()
+        if name == "dt_bias":
+            return torch.ones(self.num_v_heads)
+        return None
+
+    def conv_weights(self) -> ConvWeights:
+        """The depthwise kernel split per head: (q [Hk, dk, K], k [Hk, dk, K], v [Hv, dv, K])."""
+        w = self.conv1d.weight.squeeze(1)
+        wq, wk, wv = w.split([self.key_dim, self.key_dim, self.value_dim], dim=0)
+        kernel = self.conv_kernel_size
+        return (
+            wq.reshape(self.num_k_heads, self.head_k_dim, kernel),
+            wk.reshape(self.num_k_heads, self.head_k_dim, kernel),
+            wv.reshape(self.num_v_heads, self.head_v_dim, kernel),
+        )
+
+    def forward(self, x: torch.Tensor, *, attn: AttentionInputs) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.in_proj_qkv(x).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(b, s, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(b, s, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(b, s, self.num_v_heads, self.head_v_dim)
+        z = self.in_proj_z(x).reshape(b, s, self.num_v_heads, self.head_v_dim)
+        beta = self.in_proj_b(x).sigmoid()
+        # fp32 so that exp(A_log) cannot overflow in low precision (as transformers does).
+        g = -self.A_log.to(torch.float32).exp() * softplus(self.in_proj_a(x).to(torch.float32) + self.dt_bias)
+        out = self.linear_attn_op(q, k, v, g, beta, self.conv_weights(), attn)
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(b, s, self.value_dim))

@@ -1,0 +1,189 @@
+"""Nemotron-H / Nemotron 3 hybrid decoder (family ``nemotron_h``) with transformers 5 parameter names.
+
+``NemotronHForCausalLM.state_dict()`` keys equal transformers 5.18's ``NemotronHForCausalLM``: model.embeddings,
+model.layers.N.norm, model.layers.N.mixer.*, model.norm_f, lm_head. (Hub checkpoints say ``backbone.`` where
+transformers says ``model.``; ``nemo_ac.models.hf_io`` renames both ways.) Each layer is ONE pre-norm residual block
+``h + mixer(norm(h))`` whose mixer is chosen by ``ModelConfig.layer_pattern`` (HF ``hybrid_override_pattern``):
+
+    M  Mamba-2 mixer            (``nemo_ac.models.common.mamba2.Mamba2Mixer``, swappable ``ssm_op``)
+    *  attention, no RoPE       (``Attention`` with ``rope=None``; no qk-norm, no biases, swappable ``attn_op``)
+    E  MoE                      (sigmoid router + correction bias, squared-ReLU experts, shared experts, latent proj)
+    -  dense squared-ReLU MLP
+
+Layers follow ``qwen3_moe.DecoderLayer``'s contract: ``forward(hidden, *, rope, attn) -> (hidden, RouterStats |
+None)`` (``rope`` is ignored: Nemotron-H has no positional encoding) and ``is_moe``. transformers names every
+layer's module ``mixer``; ``layer.mlp`` is a read-only property returning the mixer of E and - layers (None
+otherwise), so ``nemo_ac.distributed.blocks`` finds ``layer.mlp.gate`` / ``.experts`` / ``.dispatcher`` without any
+name in the state dict changing. Swap submodules through ``layer.mixer``, never by assigning ``layer.mlp``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nemo_ac.config.schema import ModelConfig, MoEConfig
+from nemo_ac.models.common.attention import Attention
+from nemo_ac.models.common.experts import GroupedExperts
+from nemo_ac.models.common.mamba2 import Mamba2Mixer
+from nemo_ac.models.common.mlp import NonGatedMLP
+from nemo_ac.models.common.moe import MoE
+from nemo_ac.models.common.rmsnorm import RMSNorm
+from nemo_ac.models.interfaces import AttentionInputs, ModelOutput, RouterStats
+
+# hybrid_override_pattern characters -> transformers 5 layer types.
+BLOCK_TYPES = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
+
+
+class NemotronHRMSNorm(RMSNorm):
+    """RMSNorm whose weight multiply stays in fp32 and only the product is cast back (transformers' NemotronH;
+    differs from Qwen's order in bf16)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(torch.float32) * x32).to(x.dtype)
+
+
+class NemotronHMoE(MoE):
+    """Routed squared-ReLU experts (``experts.up_proj`` [E, I, L], ``experts.down_proj`` [E, L, I]) over the latent
+    width L (``fc1_latent_proj`` before dispatch, ``fc2_latent_proj`` after combine; L = hidden without latent), plus
+    always-on ``shared_experts``. Routing and shared experts see the full hidden state."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, *, mlp_bias: bool) -> None:
+        width = moe.latent_size or hidden_size
+        experts = GroupedExperts(
+            moe.num_experts, width, moe.moe_intermediate_size, activation="relu2", in_proj_name="up_proj"
+        )
+        super().__init__(hidden_size, moe, experts=experts, with_shared_expert=False)
+        self.shared_experts = NonGatedMLP(hidden_size, moe.shared_expert_intermediate_size, bias=mlp_bias)
+        self.fc1_latent_proj = nn.Linear(hidden_size, width, bias=mlp_bias) if moe.latent_size else None
+        self.fc2_latent_proj = nn.Linear(width, hidden_size, bias=mlp_bias) if moe.latent_size else None
+
+    def project_in(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.fc1_latent_proj(flat) if self.fc1_latent_proj is not None else flat
+
+    def project_out(self, routed: torch.Tensor) -> torch.Tensor:
+        return self.fc2_latent_proj(routed) if self.fc2_latent_proj is not None else routed
+
+    def shared_output(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.shared_experts(flat)
+
+
+class NemotronHBlock(nn.Module):
+    """``h + mixer(norm(h))`` with the mixer picked by ``layer_pattern[layer_idx]``."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.block_type = BLOCK_TYPES[cfg.layer_pattern[layer_idx]]
+        self.is_moe = self.block_type == "moe"
+        self.norm = NemotronHRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mixer: nn.Module
+        if self.block_type == "mamba":
+            self.mixer = Mamba2Mixer(cfg.hidden_size, cfg.mamba, rms_norm_eps=cfg.rms_norm_eps)
+        elif self.block_type == "attention":
+            self.mixer = Attention(
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                qk_norm=False,
+                attention_bias=False,
+            )
+        elif self.block_type == "moe":
+            self.mixer = NemotronHMoE(cfg.hidden_size, cfg.moe, mlp_bias=cfg.mlp_bias)
+        else:
+            self.mixer = NonGatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+
+    @property
+    def mlp(self) -> nn.Module | None:
+        """The feed-forward mixer (MoE or dense MLP) under the name the parallelizer looks for; None otherwise."""
+        return self.mixer if self.block_type in ("moe", "mlp") else None
+
+    def forward(
+        self, hidden: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor] | None, attn: AttentionInputs
+    ) -> tuple[torch.Tensor, RouterStats | None]:
+        x = self.norm(hidden)
+        if self.block_type == "moe":
+            out, stats = self.mixer(x)
+            return hidden + out, stats
+        if self.block_type == "mamba":
+            return hidden + self.mixer(x, attn=attn), None
+        if self.block_type == "attention":
+            return hidden + self.mixer(x, rope=None, attn=attn), None
+        return hidden + self.mixer(x), None
+
+
+class NemotronHModel(nn.Module):
+    """Embeddings, hybrid layers, final norm (``norm_f``). No positional encoding: ``position_ids`` is unused."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(NemotronHBlock(cfg, i) for i in range(cfg.num_layers))
+        self.norm_f = NemotronHRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, *, position_ids: torch.Tensor, attn: AttentionInputs
+    ) -> tuple[torch.Tensor, list[RouterStats]]:
+        hidden = self.embeddings(input_ids)
+        router_stats: list[RouterStats] = []
+        for layer in self.layers:
+            hidden, stats = layer(hidden, rope=None, attn=attn)
+            if stats is not None:
+                router_stats.append(stats)
+        return self.norm_f(hidden), router_stats
+
+
+class NemotronHForCausalLM(nn.Module):
+    """Causal LM head over ``NemotronHModel``. ``self.config`` is the ``ModelConfig`` it was built from."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = NemotronHModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection (call again after ``to_empty``)."""
+        self.lm_head.weight = self.model.embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor, attn: AttentionInputs) -> ModelOutput:
+        hidden, router_stats = self.model(input_ids, position_ids=position_ids, attn=attn)
+        return ModelOutput(logits=self.lm_head(hidden), router_stats=router_stats)
+
+
+def check_nemotron_h_config(cfg: ModelConfig) -> list[str]:
+    """What in ``cfg`` this family cannot build, as ``model.<key>=<value> (reason)`` strings (empty: fine)."""
+    moe = cfg.moe
+    bad = []
+    pattern = cfg.layer_pattern
+    if not pattern or set(pattern) - set(BLOCK_TYPES):
+        bad.append(f"model.layer_pattern={pattern!r} (needs characters from {''.join(BLOCK_TYPES)})")
+    elif len(pattern) != cfg.num_layers:
+        bad.append(f"model.layer_pattern has {len(pattern)} layers (model.num_layers={cfg.num_layers})")
+    needs = {
+        "moe.score_func": (moe.score_func, "sigmoid"),
+        "moe.score_correction_bias": (moe.score_correction_bias, True),
+        "moe.activation": (moe.activation, "relu2"),
+        "qk_norm": (cfg.qk_norm, False),
+        "attention_bias": (cfg.attention_bias, False),
+        "first_k_dense_replace": (cfg.first_k_dense_replace, 0),
+        "attn_output_gate": (cfg.attn_output_gate, False),
+        "moe.shared_expert_gate": (moe.shared_expert_gate, False),
+    }
+    bad += [f"model.{k}={got!r} (needs {want!r})" for k, (got, want) in needs.items() if got != want]
+    if "E" in pattern and moe.shared_expert_intermediate_size <= 0:
+        bad.append("model.moe.shared_expert_intermediate_size=0 (Nemotron-H MoE layers always have shared experts)")
+    return bad
+
+
+def build_nemotron_h(cfg: ModelConfig) -> NemotronHForCausalLM:
+    """Builder registered for family ``nemotron_h``; rejects settings the family does not have (no silent fixes)."""
+    bad = check_nemotron_h_config(cfg)
+    if bad:
+        raise ValueError(f"family nemotron_h: {', '.join(bad)}")
+    return NemotronHForCausalLM(cfg)

@@ -1,0 +1,276 @@
+"""Qwen3.5 / Qwen3.6 MoE vision-language model (family ``qwen3_5_moe``; Qwen3.6-35B-A3B uses this architecture).
+
+``state_dict()`` keys equal transformers 5's ``Qwen3_5MoeForConditionalGeneration``: ``model.visual.*`` (vision
+tower, absent when ``vision.depth == 0``), ``model.language_model.{embed_tokens, layers.N.*, norm}`` and ``lm_head``.
+Decoder layers are hybrid (``layer_pattern``: L = Gated DeltaNet at ``layers.N.linear_attn``, A = gated softmax
+attention at ``layers.N.self_attn``); every layer has an MoE at ``layers.N.mlp`` (router ``gate``, ``experts``,
+``dispatcher``, sigmoid-gated ``shared_expert``). Norms are zero-centered (``x * (1 + weight)``, weight init 0).
+
+The decoder block list is ``model.model.language_model.layers`` (HF's VL nesting). Each layer follows the
+``qwen3_moe.DecoderLayer`` contract: ``forward(hidden, *, rope, attn) -> (hidden, RouterStats | None)`` and
+``is_moe``; linear-attention layers ignore ``rope``.
+
+Two entry points, so vision runs on the full sequence before context-parallel sharding:
+
+- ``embed_inputs(input_ids, *, position_ids, document_ids, pixel_values, image_grid_thw) -> MultimodalEmbeddings``
+  computes token embeddings with the vision features scattered into the image placeholder tokens and the [3, B, S]
+  M-RoPE positions. Both are per-token tensors (sequence dim 1 of ``inputs_embeds``, last dim of ``position_ids``)
+  that a CP sharder splits like ``input_ids``. Under FSDP2 the trainer registers it with
+  ``torch.distributed.fsdp.register_fsdp_forward_method(model, "embed_inputs")`` so the root unit unshards for it.
+- ``forward(input_ids, *, position_ids, attn, pixel_values=None, image_grid_thw=None, inputs_embeds=None)`` runs
+  both steps when ``inputs_embeds`` is None, or only the decoder on given (possibly CP-sharded) embeddings and
+  positions (then ``input_ids``, ``pixel_values`` and ``image_grid_thw`` are ignored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nemo_ac.config.schema import ModelConfig
+from nemo_ac.models.common.attention import Attention
+from nemo_ac.models.common.gated_deltanet import GatedDeltaNet
+from nemo_ac.models.common.mlp import MLP
+from nemo_ac.models.common.moe import MoE
+from nemo_ac.models.common.mrope import MRotaryEmbedding, multimodal_position_ids
+from nemo_ac.models.common.vision import VisionModel
+from nemo_ac.models.interfaces import AttentionInputs, ModelOutput, RouterStats
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+_PATTERN_CHARS = {"L": LINEAR_ATTENTION, "A": FULL_ATTENTION}
+# transformers' default when a config has no layer_types: every full_attention_interval-th layer is full attention.
+DEFAULT_FULL_ATTENTION_INTERVAL = 4
+
+
+def layer_types(cfg: ModelConfig) -> list[str]:
+    """``layer_pattern`` ("LLLA...") as HF layer types; empty = HF's default interval of 4."""
+    if not cfg.layer_pattern:
+        return [
+            FULL_ATTENTION if (i + 1) % DEFAULT_FULL_ATTENTION_INTERVAL == 0 else LINEAR_ATTENTION
+            for i in range(cfg.num_layers)
+        ]
+    bad = sorted(set(cfg.layer_pattern) - set(_PATTERN_CHARS))
+    if bad or len(cfg.layer_pattern) != cfg.num_layers:
+        raise ValueError(
+            f"model.layer_pattern={cfg.layer_pattern!r} must have num_layers={cfg.num_layers} characters from "
+            f"{sorted(_PATTERN_CHARS)} (L = linear attention, A = full attention)"
+        )
+    return [_PATTERN_CHARS[c] for c in cfg.layer_pattern]
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """Qwen3.5 RMSNorm: ``(norm(x) * (1 + weight))`` in fp32, then cast to x's dtype; weight initialized to zero.
+
+    (Qwen3's ``RMSNorm`` casts before multiplying by the weight; here the scale is applied in fp32, as in
+    transformers' ``Qwen3_5MoeRMSNorm``.)
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def initial_parameter(self, name: str, generator: torch.Generator) -> torch.Tensor | None:
+        """Init hook of ``nemo_ac.models.init``: zero, i.e. a unit scale."""
+        return torch.zeros(self.weight.shape) if name == "weight" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class Qwen3_5MoeDecoderLayer(nn.Module):
+    """Pre-norm block: ``h + mixer(norm(h))`` (Gated DeltaNet or gated attention), then ``h + moe(norm(h))``."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, layer_type: str) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = layer_type
+        self.is_moe = layer_idx >= cfg.first_k_dense_replace
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if layer_type == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear_attention, rms_norm_eps=cfg.rms_norm_eps)
+        else:
+            self.self_attn = Attention(
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                qk_norm=cfg.qk_norm,
+                attention_bias=cfg.attention_bias,
+                rms_norm_eps=cfg.rms_norm_eps,
+                output_gate=cfg.attn_output_gate,
+                norm_cls=ZeroCenteredRMSNorm,
+            )
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = (
+            MoE(cfg.hidden_size, cfg.moe) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionInputs
+    ) -> tuple[torch.Tensor, RouterStats | None]:
+        x = self.input_layernorm(hidden)
+        if self.layer_type == LINEAR_ATTENTION:
+            hidden = hidden + self.linear_attn(x, attn=attn)
+        else:
+            hidden = hidden + self.self_attn(x, rope=rope, attn=attn)
+        mlp_in = self.post_attention_layernorm(hidden)
+        if self.is_moe:
+            mlp_out, stats = self.mlp(mlp_in)
+            return hidden + mlp_out, stats
+        return hidden + self.mlp(mlp_in), None
+
+
+class Qwen3_5MoeTextModel(nn.Module):
+    """Embedding table, hybrid decoder layers, final norm; ``forward`` starts from embeddings."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3_5MoeDecoderLayer(cfg, i, kind) for i, kind in enumerate(layer_types(cfg)))
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.partial_rotary_factor, cfg.mrope_section)
+
+    def forward(
+        self, inputs_embeds: torch.Tensor, *, position_ids: torch.Tensor, attn: AttentionInputs
+    ) -> tuple[torch.Tensor, list[RouterStats]]:
+        hidden = inputs_embeds
+        rope = self.rotary_emb(position_ids, dtype=hidden.dtype)
+        router_stats: list[RouterStats] = []
+        for layer in self.layers:
+            hidden, stats = layer(hidden, rope=rope, attn=attn)
+            if stats is not None:
+                router_stats.append(stats)
+        return self.norm(hidden), router_stats
+
+
+@dataclass
+class MultimodalEmbeddings:
+    """Decoder inputs for the full sequence. inputs_embeds: [B, S, H]; position_ids: [3, B, S] (t, h, w)."""
+
+    inputs_embeds: torch.Tensor
+    position_ids: torch.Tensor
+
+
+# A pytree so FSDP2 (registered forward method) and torch.compile see the tensors inside.
+torch.utils._pytree.register_dataclass(MultimodalEmbeddings)
+
+
+class Qwen3_5MoeModel(nn.Module):
+    """``visual`` (None without a vision tower) + ``language_model``, as in transformers."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.visual = VisionModel(cfg.vision, cfg.hidden_size) if cfg.vision.depth > 0 else None
+        self.language_model = Qwen3_5MoeTextModel(cfg)
+
+
+class Qwen3_5MoeForConditionalGeneration(nn.Module):
+    """Causal LM head over ``Qwen3_5MoeModel``. ``self.config`` is the ``ModelConfig`` it was built from."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3_5MoeModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection (call again after ``to_empty``)."""
+        self.lm_head.weight = self.model.language_model.embed_tokens.weight
+
+    def embed_inputs(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+    ) -> MultimodalEmbeddings:
+        """Full-sequence decoder inputs: embeddings with image features in the placeholders + M-RoPE positions.
+
+        input_ids / position_ids / document_ids: [B, S] (positions restart per packed document, document_ids keep
+        an image's position shift inside its document; None = one document per row). pixel_values / image_grid_thw:
+        all images of the micro batch in row-major placeholder order (see ``nemo_ac.models.common.vision``).
+        """
+        return self._embed(input_ids, position_ids, document_ids, pixel_values, image_grid_thw)
+
+    def _embed(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+    ) -> MultimodalEmbeddings:
+        embeds = self.model.language_model.embed_tokens(input_ids)
+        if pixel_values is None:
+            return MultimodalEmbeddings(embeds, position_ids.unsqueeze(0).expand(3, -1, -1))
+        visual = self.model.visual
+        if visual is None:
+            raise ValueError("pixel_values given but the model has no vision tower (model.vision.depth == 0)")
+        if image_grid_thw is None:
+            raise ValueError("pixel_values need image_grid_thw ([num_images, 3] patch grids)")
+        vision = self.config.vision
+        features = visual(pixel_values, image_grid_thw).to(embeds.dtype)
+        mask = input_ids == vision.image_token_id
+        num_placeholders = int(mask.sum())
+        if num_placeholders != features.shape[0]:
+            raise ValueError(
+                f"{num_placeholders} image placeholder tokens (id {vision.image_token_id}) but the vision tower made "
+                f"{features.shape[0]} image features"
+            )
+        embeds = embeds.masked_scatter(mask.unsqueeze(-1), features)
+        positions = multimodal_position_ids(
+            input_ids,
+            position_ids,
+            image_grid_thw=image_grid_thw,
+            image_token_id=vision.image_token_id,
+            spatial_merge_size=vision.spatial_merge_size,
+            document_ids=document_ids,
+        )
+        return MultimodalEmbeddings(embeds, positions)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor,
+        attn: AttentionInputs,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        if inputs_embeds is None:
+            if input_ids is None:
+                raise ValueError("pass input_ids or inputs_embeds")
+            embedded = self._embed(input_ids, position_ids, attn.document_ids, pixel_values, image_grid_thw)
+            inputs_embeds, position_ids = embedded.inputs_embeds, embedded.position_ids
+        hidden, router_stats = self.model.language_model(inputs_embeds, position_ids=position_ids, attn=attn)
+        return ModelOutput(logits=self.lm_head(hidden), router_stats=router_stats)
+
+
+def build_qwen3_5_moe(cfg: ModelConfig) -> Qwen3_5MoeForConditionalGeneration:
+    """Builder registered for family ``qwen3_5_moe``; rejects options that belong to other families."""
+    if cfg.moe.latent_size:
+        raise NotImplementedError(f"family qwen3_5_moe does not support model.moe.latent_size={cfg.moe.latent_size}")
+    layer_types(cfg)  # validates layer_pattern
+    rotary_half = int(cfg.head_dim * cfg.partial_rotary_factor) // 2
+    if cfg.mrope_section and sum(cfg.mrope_section) != rotary_half:
+        raise ValueError(
+            f"model.mrope_section={cfg.mrope_section} must sum to rotary_dim/2 = {rotary_half} "
+            f"(head_dim {cfg.head_dim} * partial_rotary_factor {cfg.partial_rotary_factor} / 2)"
+        )
+    if cfg.vision.depth > 0 and not cfg.mrope_section:
+        raise ValueError("model.mrope_section is required with a vision tower (e.g. [11, 11, 10] for Qwen3.6)")
+    return Qwen3_5MoeForConditionalGeneration(cfg)

@@ -1,0 +1,56 @@
+"""torch.compile (inductor) through the trainer: both layouts in one 2-rank launch, packed variable-length data,
+backward on a worker thread (the GPU autograd thread's situation); no compile after step 2 on any thread, and the
+losses of the eager run.
+
+One compiled launch covers both layouts: with ``model.first_k_dense_replace=1`` ``compile.layout: auto`` compiles the
+dense block 0 as compile(AC(block)) and the MoE block 1, whose experts are a nested FSDP unit, as AC(compile(block)).
+``compile.dynamic: true`` makes sequence lengths symbolic from the first compile, so every frame compiles once
+(cold inductor compiles dominate this test's time); the declared per-batch ints are dynamic either way.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.launch import assert_close_rel, run_recipe
+
+pytestmark = [pytest.mark.functional, pytest.mark.slow]  # cold inductor compiles on 2 ranks
+
+RECIPE = "tiny/qwen3_moe_tiny.yaml"
+COMMON = [
+    "train.steps=6",
+    "model.num_layers=2",
+    "model.first_k_dense_replace=1",
+    "data.fixed_length=false",
+    "train.backward_on_thread=true",
+]
+COUNTS = ("compiles_fwd", "compiles_bwd", "recompiles_fwd", "recompiles_bwd", "bwd_graphs", "graph_breaks")
+
+
+def test_compiled_layouts_never_compile_after_step_2_on_any_thread_and_match_eager(tmp_path):
+    eager = run_recipe(RECIPE, nproc=2, run_dir=tmp_path / "eager", overrides=COMMON).check()
+    compiled = run_recipe(
+        RECIPE,
+        nproc=2,
+        run_dir=tmp_path / "compiled",
+        overrides=[*COMMON, "compile.enabled=true", "compile.backend=inductor", "compile.dynamic=true"],
+    ).check()
+
+    assert "compile | inductor | layouts: compile_outer, ac_outer" in compiled.output
+    assert len(compiled.metrics) == 6
+    lengths = {m["tokens"] for m in compiled.metrics}
+    assert len(lengths) > 2, f"packed lengths should vary per step: {lengths}"
+
+    step2 = compiled.metrics[1]
+    assert step2["compiles_fwd"] >= 2, step2  # both blocks really compiled
+    assert step2["graph_breaks"] >= 1, step2  # the ac_outer block breaks at its experts unit's FSDP hooks
+    for record in compiled.metrics[2:]:
+        assert {k: record[k] for k in COUNTS} == {k: step2[k] for k in COUNTS}, (record["step"], record, step2)
+    for record in compiled.metrics:
+        assert record["eager_fallbacks"] == 0, record
+        assert record["recompiles_fwd"] == record["recompiles_bwd"] == 0, record  # dynamic from the first compile
+
+    assert compiled.summary["compiles_fwd"] == step2["compiles_fwd"]
+    assert "compile | fwd thread:" in compiled.output
+    assert_close_rel(compiled.losses, eager.losses, rel=2e-5)
+    assert_close_rel([m["grad_norm"] for m in compiled.metrics], [m["grad_norm"] for m in eager.metrics], rel=2e-4)

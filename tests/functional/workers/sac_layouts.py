@@ -1,0 +1,243 @@
+"""torchrun worker (2 gloo ranks): SAC under every FSDP2 layout, one launch, many cells.
+
+Each cell builds the tiny Qwen3-MoE recipe fresh through the production path (``parallelize`` ->
+``materialize_and_init`` -> ``Trainer``), trains ``train.steps`` steps and reports losses, or the error it raised.
+Rank 0 writes ``{"cells": [...]}`` as JSON to ``argv[1]``. Cell groups (``argv[2]``, comma separated):
+
+- ``regression``: explicit prefetch with the workarounds off / with only the profiler-op ignore / on;
+- ``matrix``: {placement inside, outside} x {forward prefetch none, explicit} x {backward prefetch default,
+  explicit} x {EP-style all-to-all in the block off, on} x {fp32, bf16 params} in selective mode, plus the no-AC
+  references and full AC.
+
+The EP-style axis uses a test-local dispatcher: the local sort, then a differentiable ``all_to_all_single`` that
+sends half of the expert rows to the peer and a second one that sends them back, in dispatch and again in combine
+(real expert parallel lands separately; what matters here is a collective inside the checkpointed region).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.utils import checkpoint as torch_checkpoint
+
+from nemo_ac.config import load_recipe, validate_recipe
+from nemo_ac.config.schema import DistConfig
+from nemo_ac.data.loader import SyntheticBatches
+from nemo_ac.distributed.blocks import decoder_layers
+from nemo_ac.distributed.env import destroy_distributed, init_distributed
+from nemo_ac.distributed.mesh import build_meshes
+from nemo_ac.distributed.parallelize import parallelize
+from nemo_ac.distributed.sac_compat import ensure_profiler_ops_sac_ignored
+from nemo_ac.models import build_model
+from nemo_ac.models.common.dispatch import LocalDispatcher
+from nemo_ac.models.init import materialize_and_init
+from nemo_ac.trainer.batching import make_batch_preparer
+from nemo_ac.trainer.loop import LoopOptions, Trainer
+from nemo_ac.trainer.metrics import MetricsLogger
+from nemo_ac.trainer.optim import build_optimizer, build_scheduler
+
+ROOT = Path(__file__).resolve().parents[3]
+RECIPE = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
+# 2 steps of 2 micro batches per rank; seq_len 96 differs from every model dimension (64, 16, 32, 4).
+BASE = ["train.steps=2", "train.warmup_steps=1", "train.global_batch_size=8", "train.micro_batch_size=2"]
+
+
+def _round_trip(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Half of the rows to the peer and back: two differentiable all-to-alls, identity overall."""
+    n = rows.shape[0]
+    splits = [n // 2, n - n // 2]
+    there = funcol.all_to_all_single_autograd(rows.contiguous(), splits, splits, group)
+    return funcol.all_to_all_single_autograd(there * 1.0, splits, splits, group)
+
+
+class RoundTripAllToAllDispatcher(LocalDispatcher):
+    """LocalDispatcher with an all-to-all round trip in dispatch and in combine (inside the checkpointed block)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def dispatch(self, hidden, top_idx, num_experts, *args, **kwargs):
+        rows, tokens_per_expert, ctx = super().dispatch(hidden, top_idx, num_experts, *args, **kwargs)
+        return _round_trip(rows, self.group), tokens_per_expert, ctx
+
+    def combine(self, expert_out, top_scores, ctx):
+        return super().combine(_round_trip(expert_out, self.group), top_scores, ctx)
+
+
+_MESHES: dict = {}
+
+
+def _meshes(layout):
+    """Every cell has the same layout: build its meshes (process subgroups) once."""
+    if layout not in _MESHES:
+        _MESHES[layout] = build_meshes(layout, device_type="cpu")
+    return _MESHES[layout]
+
+
+def train_cell(name: str, overrides: list[str], *, a2a: bool = False, profiler_only: bool = False) -> dict:
+    """Train one layout from scratch; never raises (errors are part of the result)."""
+    ignored_before = set(torch_checkpoint.SAC_IGNORED_OPS)
+    result: dict = {"name": name, "overrides": overrides, "a2a": a2a, "profiler_only": profiler_only}
+    try:
+        recipe = load_recipe(str(RECIPE), [*BASE, *overrides])
+        layout = validate_recipe(recipe, world_size=dist.get_world_size())
+        meshes = _meshes(layout)
+        torch.manual_seed(recipe.train.seed)
+        model = build_model(recipe.model)
+        if a2a:
+            for block in decoder_layers(model):
+                if getattr(block, "is_moe", False):
+                    block.mlp.dispatcher = RoundTripAllToAllDispatcher(dist.group.WORLD)
+        parallelize(
+            model,
+            meshes=meshes,
+            model_config=recipe.model,
+            parallel=recipe.parallel,
+            activation_checkpointing=recipe.activation_checkpointing,
+            compile=recipe.compile,
+            backend=recipe.backend,
+        )
+        if profiler_only:
+            ensure_profiler_ops_sac_ignored()
+        materialize_and_init(model, device="cpu", seed=recipe.train.seed)
+        optimizer = build_optimizer(model, recipe.train)
+        trainer = Trainer(
+            model=model,
+            optimizer=optimizer,
+            scheduler=build_scheduler(optimizer, recipe.train),
+            data=SyntheticBatches(
+                recipe.data,
+                vocab_size=recipe.model.vocab_size,
+                global_batch_size=recipe.train.global_batch_size,
+                micro_batch_size=recipe.train.micro_batch_size,
+                dp_rank=meshes.dp_rank,
+                dp_size=meshes.dp_size,
+                seed=recipe.train.seed,
+            ),
+            prepare_batch=make_batch_preparer(cp=1),
+            device=torch.device("cpu"),
+            logger=MetricsLogger(
+                run_dir="unused",
+                total_steps=recipe.train.steps,
+                enabled=False,
+                jsonl=False,
+                progress_bar="never",
+                log_every=1,
+            ),
+            options=LoopOptions(
+                steps=recipe.train.steps,
+                grad_clip=recipe.train.grad_clip,
+                aux_loss_coef=recipe.model.moe.aux_loss_coef,
+                backward_on_thread=recipe.train.backward_on_thread,
+            ),
+            loss_group=meshes.loss_group,
+        )
+        history = trainer.fit()
+        result.update(ok=True, losses=[m.loss for m in history], grad_norms=[m.grad_norm for m in history])
+    except Exception as exc:  # the regression cells expect the SAC error
+        cause = exc.__cause__
+        result.update(
+            ok=False,
+            error_type=type(exc).__name__,
+            error=str(exc)[:3000],
+            op=getattr(exc, "op", None),
+            origin=getattr(getattr(exc, "origin", None), "kind", None),
+            region=getattr(exc, "region", None),
+            cause_type=type(cause).__name__ if cause is not None else None,
+            cause=str(cause)[:1000] if cause is not None else None,
+            traceback=traceback.format_exc()[-3000:],
+        )
+    finally:
+        # Leave torch's global set as this process found it (cells must not leak into each other).
+        torch_checkpoint.SAC_IGNORED_OPS.clear()
+        torch_checkpoint.SAC_IGNORED_OPS.update(ignored_before)
+        dist.barrier()
+    return result
+
+
+def regression_cells() -> list[dict]:
+    selective = ["activation_checkpointing.mode=selective"]
+    explicit = ["parallel.fsdp.forward_prefetch=explicit", "parallel.fsdp.backward_prefetch=explicit"]
+    off = ["activation_checkpointing.workarounds=false"]
+    return [
+        train_cell("explicit/off", [*selective, *explicit, *off]) | {"kind": "regression"},
+        train_cell("explicit/profiler_only", [*selective, *explicit, *off], profiler_only=True)
+        | {"kind": "regression"},
+        train_cell("explicit/on", [*selective, *explicit]) | {"kind": "regression"},
+    ]
+
+
+def matrix_cells() -> list[dict]:
+    cells = []
+    for a2a, dtype in itertools.product((False, True), ("float32", "bfloat16")):
+        cells.append(
+            train_cell(
+                f"reference/a2a={a2a}/{dtype}",
+                ["activation_checkpointing.mode=none", f"parallel.fsdp.param_dtype={dtype}"],
+                a2a=a2a,
+            )
+            | {"kind": "reference", "dtype": dtype, "mode": "none"}
+        )
+    axes = itertools.product(
+        ("inside", "outside"), ("none", "explicit"), ("default", "explicit"), (False, True), ("float32", "bfloat16")
+    )
+    for placement, forward, backward, a2a, dtype in axes:
+        overrides = [
+            "activation_checkpointing.mode=selective",
+            f"activation_checkpointing.placement={placement}",
+            f"parallel.fsdp.forward_prefetch={forward}",
+            f"parallel.fsdp.backward_prefetch={backward}",
+            f"parallel.fsdp.param_dtype={dtype}",
+        ]
+        name = f"selective/{placement}/fwd={forward}/bwd={backward}/a2a={a2a}/{dtype}"
+        cells.append(train_cell(name, overrides, a2a=a2a) | {"kind": "selective", "dtype": dtype})
+    for placement in ("inside", "outside"):
+        overrides = [
+            "activation_checkpointing.mode=full",
+            f"activation_checkpointing.placement={placement}",
+            "parallel.fsdp.forward_prefetch=explicit",
+            "parallel.fsdp.backward_prefetch=explicit",
+        ]
+        cells.append(
+            train_cell(f"full/{placement}/explicit", overrides, a2a=True) | {"kind": "full", "dtype": "float32"}
+        )
+    # The recompute on another thread (what CUDA's autograd device thread does): the FSDP brackets are per thread.
+    threaded = [
+        "activation_checkpointing.mode=selective",
+        "activation_checkpointing.placement=outside",
+        "parallel.fsdp.forward_prefetch=explicit",
+        "parallel.fsdp.backward_prefetch=explicit",
+        "train.backward_on_thread=true",
+    ]
+    cells.append(
+        train_cell("selective/outside/explicit/backward_thread", threaded, a2a=True)
+        | {"kind": "selective", "dtype": "float32"}
+    )
+    return cells
+
+
+def main() -> int:
+    out_path, groups = Path(sys.argv[1]), sys.argv[2].split(",")
+    init_distributed(DistConfig(backend="gloo", device="cpu", timeout_s=120))
+    try:
+        cells = []
+        if "regression" in groups:
+            cells += regression_cells()
+        if "matrix" in groups:
+            cells += matrix_cells()
+        if dist.get_rank() == 0:
+            out_path.write_text(json.dumps({"torch": torch.__version__, "cells": cells}, indent=1))
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""DCP save/load of the real tiny model under FSDP2 in one process (a real gloo world of one).
+
+Proves, cheaply and in-process, what the functional tests prove across processes: a resumed run is bitwise the
+uninterrupted one (model, AdamW state, LR schedule, data position, RNG), keys carry no wrapper prefixes (a
+checkpoint saved with activation checkpointing loads without it), an interrupted save is skipped with a warning,
+and corrupt or incompatible checkpoints fail naming the file and the mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from nemo_ac.config import load_recipe, to_dict, validate_recipe
+from nemo_ac.config.schema import CheckpointConfig
+from nemo_ac.data.loader import SyntheticBatches
+from nemo_ac.distributed.mesh import build_meshes
+from nemo_ac.distributed.parallelize import parallelize
+from nemo_ac.models import build_model
+from nemo_ac.models.init import materialize_and_init
+from nemo_ac.trainer import checkpoint_files as files
+from nemo_ac.trainer.batching import make_batch_preparer
+from nemo_ac.trainer.checkpoint import Checkpointer, CheckpointError, CheckpointWarning, TrainingState
+from nemo_ac.trainer.loop import LoopOptions, Trainer
+from nemo_ac.trainer.metrics import MetricsLogger
+from nemo_ac.trainer.optim import build_optimizer, build_scheduler
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
+SMALL = ["data.seq_len=40", "train.global_batch_size=2", "train.micro_batch_size=2", "train.steps=4"]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@dataclass
+class Run:
+    trainer: Trainer
+    state: TrainingState
+    checkpointer: Checkpointer
+
+    def train_to(self, step: int) -> list[float]:
+        losses = []
+        while self.trainer.step < step:
+            losses.append(self.trainer.train_step().loss)
+        return losses
+
+    def restore(self) -> int:
+        self.trainer.step = self.checkpointer.restore(self.state)
+        return self.trainer.step
+
+
+def build(ckpt_dir: Path, *overrides: str) -> Run:
+    """The same construction as nemo_ac.train.run, at world size 1."""
+    recipe = load_recipe(TINY, [*SMALL, f"checkpoint.dir={ckpt_dir}", "checkpoint.enabled=true", *overrides])
+    layout = validate_recipe(recipe, world_size=1)
+    meshes = build_meshes(layout, device_type="cpu")
+    model = build_model(recipe.model)
+    parallelize(
+        model,
+        meshes=meshes,
+        model_config=recipe.model,
+        parallel=recipe.parallel,
+        activation_checkpointing=recipe.activation_checkpointing,
+        compile=recipe.compile,
+        backend=recipe.backend,
+    )
+    materialize_and_init(model, device=CPU, seed=recipe.train.seed)
+    optimizer = build_optimizer(model, recipe.train)
+    scheduler = build_scheduler(optimizer, recipe.train)
+    data = SyntheticBatches(
+        recipe.data,
+        vocab_size=recipe.model.vocab_size,
+        global_batch_size=recipe.train.global_batch_size,
+        micro_batch_size=recipe.train.micro_batch_size,
+        dp_rank=0,
+        dp_size=1,
+        seed=recipe.train.seed,
+    )
+    logger = MetricsLogger(
+        run_dir="", total_steps=recipe.train.steps, enabled=False, jsonl=False, progress_bar="never", log_every=1
+    )
+    trainer = Trainer(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=data,
+        prepare_batch=make_batch_preparer(cp=1),
+        device=CPU,
+        logger=logger,
+        options=LoopOptions(steps=recipe.train.steps, grad_clip=recipe.train.grad_clip, aux_loss_coef=0.001),
+    )
+    checkpointer = Checkpointer(
+        config=recipe.checkpoint, total_steps=recipe.train.steps, recipe=to_dict(recipe), device=CPU
+    )
+    state = TrainingState(model=model, optimizer=optimizer, scheduler=scheduler, data=data)
+    return Run(trainer=trainer, state=state, checkpointer=checkpointer)
+
+
+def full_params(run: Run) -> dict[str, torch.Tensor]:
+    return {
+        name.replace("._checkpoint_wrapped_module", ""): p.full_tensor().clone()
+        for name, p in run.state.model.named_parameters()
+    }
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Four uninterrupted steps with activation checkpointing: the reference curve and final weights."""
+    run = build(tmp_path_factory.mktemp("straight"), "activation_checkpointing.mode=full")
+    return run.train_to(4), full_params(run)
+
+
+def test_resume_is_bitwise_and_loads_across_ac_layouts(tmp_path, straight):
+    """Saved with AC (wrapped block names), resumed without it: same keys, bitwise the same curve and weights."""
+    first = build(tmp_path, "activation_checkpointing.mode=full")
+    losses = first.train_to(2)
+    first.checkpointer.save(2, first.state)
+    keys = FileSystemReader(str(tmp_path / "step_2")).read_metadata().state_dict_metadata
+    assert not [k for k in keys if "_checkpoint_wrapped_module" in k or "_orig_mod" in k]
+    assert "model.model.layers.0.mlp.experts.gate_up_proj" in keys  # HF names, as in an unwrapped model
+    assert "optim.state.model.layers.0.self_attn.q_proj.weight.exp_avg" in keys
+
+    torch.manual_seed(999)  # resume must restore the RNG, not keep this
+    resumed = build(tmp_path, "activation_checkpointing.mode=none", "checkpoint.resume=auto")
+    assert resumed.restore() == 2
+    assert resumed.state.data.state_dict() == {"next_step": 2}
+    assert resumed.state.scheduler.last_epoch == 2
+    losses += resumed.train_to(4)
+    reference_losses, reference_params = straight
+    assert losses == reference_losses  # bitwise, fp32 on CPU
+    final = full_params(resumed)
+    assert final.keys() == reference_params.keys()
+    for name, tensor in final.items():
+        assert torch.equal(tensor, reference_params[name]), name
+
+
+def test_rng_states_are_restored(tmp_path):
+    run = build(tmp_path)
+    torch.manual_seed(7)
+    run.checkpointer.save(0, run.state)
+    expected = torch.rand(4)
+    torch.manual_seed(8)
+    fresh = build(tmp_path, "checkpoint.resume=auto")
+    fresh.restore()
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_interrupted_save_is_skipped_with_a_warning(tmp_path, monkeypatch):
+    """A save that dies after writing shards but before DCP's metadata: never visible, never loaded."""
+    run = build(tmp_path, "checkpoint.keep_last=5")
+    run.train_to(1)
+    run.checkpointer.save(1, run.state)
+    run.train_to(2)
+
+    def crash(self, metadata, results):
+        raise RuntimeError("simulated crash during checkpoint save")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FileSystemWriter, "finish", crash)
+        with pytest.raises(
+            CheckpointError, match=r"save of step 2 into .*\.step_2\.partial failed: rank 0: .*simulated crash"
+        ):
+            run.checkpointer.save(2, run.state)
+    partial = files.partial_dir(tmp_path, 2)
+    assert any(p.suffix == ".distcp" for p in partial.iterdir())
+    assert not (tmp_path / "step_2").exists()
+    assert files.read_latest(tmp_path) == "step_1"
+
+    resumed = build(tmp_path, "checkpoint.resume=auto")
+    with pytest.warns(CheckpointWarning, match=r"\.step_2\.partial: a save that never finished"):
+        assert resumed.restore() == 1
+
+    run.checkpointer.save(2, run.state)  # the next good save of the step replaces the leftover
+    assert not partial.exists() and files.read_latest(tmp_path) == "step_2"
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    run = build(tmp_path, "checkpoint.keep_last=2", "checkpoint.every_n_steps=1")
+    for step in range(1, 4):
+        run.train_to(step)
+        run.checkpointer.on_step_end(step, run.state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_2", "step_3"]
+
+
+def test_save_cadence():
+    config = CheckpointConfig(enabled=True, every_n_steps=3)
+    ckpt = Checkpointer(config=config, total_steps=8, recipe={}, device=CPU)
+    assert [s for s in range(1, 9) if ckpt.should_save(s)] == [3, 6, 8]
+    config.every_n_steps = 0
+    assert [s for s in range(1, 9) if ckpt.should_save(s)] == [8]
+    config.enabled = False
+    assert not any(ckpt.should_save(s) for s in range(1, 9))
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    run = build(tmp_path)
+    run.train_to(1)
+    return run.checkpointer.save(1, run.state)
+
+
+def test_corrupt_shard_fails_naming_the_file(saved):
+    shard = sorted(saved.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit inside tensor bytes: DCP itself would load it silently
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"is corrupt:\n  - {shard}: sha256 .* does not match"):
+        build(saved.parent, "checkpoint.resume=auto").restore()
+
+
+def test_corrupt_metadata_fails_naming_the_file(saved):
+    meta = saved / files.DCP_METADATA
+    meta.write_bytes(meta.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=rf"{meta}: 100 bytes, the manifest says"):
+        build(saved.parent, "checkpoint.resume=auto", "checkpoint.verify=false").restore()
+
+
+def test_incompatible_model_fails_naming_key_shapes_and_recipe_change(saved):
+    with pytest.raises(CheckpointError) as info:
+        build(saved.parent, "checkpoint.resume=auto", "model.hidden_size=32").restore()
+    message = str(info.value)
+    assert f"checkpoint {saved} does not fit this model/optimizer ({saved / files.DCP_METADATA} vs recipe)" in message
+    assert "'model.model.embed_tokens.weight': checkpoint shape (64, 64), model shape (64, 32)" in message
+    assert "model.hidden_size: checkpoint 64, recipe 32" in message
+
+
+def test_fewer_layers_is_incompatible_too(saved):
+    with pytest.raises(CheckpointError, match=r"'model\.model\.layers\.1\.[^']*' is in the checkpoint but not in this"):
+        build(saved.parent, "checkpoint.resume=auto", "model.num_layers=1").restore()
+
+
+def test_save_refuses_a_data_position_that_disagrees_with_the_step(tmp_path):
+    run = build(tmp_path)
+    run.train_to(1)
+    with pytest.raises(CheckpointError, match=r"next_step=1 disagrees with the completed step 2"):
+        run.checkpointer.save(2, run.state)
+    assert not (tmp_path / "step_2").exists()

@@ -1,0 +1,171 @@
+"""Compile layouts: which block gets which, where the forward-thread context goes, names kept, and the silent eager
+fallback that ``auto`` avoids (observed on a real FSDP2 model, gloo world size 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+from nemo_ac.config import ConfigError, load_recipe, validate_recipe
+from nemo_ac.config.schema import ActivationCheckpointingConfig, CompileConfig, ModelConfig, MoEConfig
+from nemo_ac.diagnostics.recompiles import CompileAccounting, EagerFallbackWarning
+from nemo_ac.distributed.activation_checkpointing import apply_ac
+from nemo_ac.distributed.blocks import decoder_layers, unwrap_block
+from nemo_ac.distributed.compile import (
+    apply_compile,
+    compiled_checkpoint_entries,
+    forward_thread_compile_context,
+    plan_layouts,
+    recompute_context_fns,
+)
+from nemo_ac.distributed.mesh import build_meshes
+from nemo_ac.distributed.parallelize import parallelize
+from nemo_ac.models import build_model
+from nemo_ac.models.common.attention import build_attention_inputs
+from nemo_ac.models.init import materialize_and_init
+from tests.launch import RECIPES
+
+FULL = ActivationCheckpointingConfig(mode="full")
+ON = CompileConfig(enabled=True, backend="aot_eager")
+
+
+def model_config(**moe: object) -> ModelConfig:
+    return ModelConfig(num_layers=3, first_k_dense_replace=1, moe=MoEConfig(**moe))
+
+
+def layouts_for(cfg: ModelConfig, compile_config: CompileConfig = ON, ac: ActivationCheckpointingConfig = FULL):
+    return plan_layouts(build_model(cfg), config=compile_config, moe=cfg.moe, activation_checkpointing=ac)
+
+
+def test_auto_puts_ac_outside_only_for_blocks_with_a_nested_fsdp_unit():
+    # layer 0 is dense (first_k_dense_replace=1); layers 1, 2 are MoE with experts as their own FSDP unit
+    assert layouts_for(model_config()) == ["compile_outer", "ac_outer", "ac_outer"]
+    assert layouts_for(model_config(router_dtype="float32", separate_fsdp_unit=False))[1:] == ["ac_outer"] * 2
+    assert layouts_for(model_config(separate_fsdp_unit=False)) == ["compile_outer"] * 3
+
+
+def test_other_layout_choices():
+    cfg = model_config(separate_fsdp_unit=False)
+    outside = ActivationCheckpointingConfig(mode="full", placement="outside")
+    assert layouts_for(cfg, ac=outside) == ["ac_outer"] * 3  # the block's own FSDP hooks are inside the checkpoint
+    assert layouts_for(cfg, ac=ActivationCheckpointingConfig(mode="none")) == ["compile_outer"] * 3
+    assert layouts_for(model_config(), CompileConfig(enabled=True, layout="compile_outer")) == ["compile_outer"] * 3
+    assert layouts_for(cfg, CompileConfig(enabled=True, layout="ac_outer")) == ["ac_outer"] * 3
+    assert layouts_for(cfg, CompileConfig(enabled=False)) == [None] * 3
+
+
+def test_forward_thread_context_only_on_ac_outer_blocks():
+    for_block = recompute_context_fns(ON, layouts=["compile_outer", "ac_outer", None])
+    assert [for_block(i, None) for i in range(3)] == [[], [forward_thread_compile_context], []]
+    off = CompileConfig(enabled=True, forward_thread_context=False)
+    assert recompute_context_fns(off, layouts=["ac_outer"])(0, None) == []
+
+
+def test_blocks_are_compiled_in_place_and_keep_their_parameter_names():
+    cfg = model_config()
+    model = build_model(cfg)
+    names = [name for name, _ in model.named_parameters()]
+    layouts = plan_layouts(model, config=ON, moe=cfg.moe, activation_checkpointing=FULL)
+    apply_ac(model, config=FULL, extra_context_fns=recompute_context_fns(ON, layouts=layouts), moe=cfg.moe)
+    wrapped_names = [name for name, _ in model.named_parameters()]
+    report = apply_compile(model, config=ON, layouts=layouts)
+    assert [name for name, _ in model.named_parameters()] == wrapped_names
+    assert [n.replace("._checkpoint_wrapped_module", "") for n in wrapped_names] == names
+    assert [(b.layout, b.compiled) for b in report] == [
+        ("compile_outer", "CheckpointWrapper"),
+        ("ac_outer", "DecoderLayer"),
+        ("ac_outer", "DecoderLayer"),
+    ]
+    layers = decoder_layers(model)
+    assert "forward" in vars(layers[0]) and "forward" not in vars(unwrap_block(layers[0]))
+    assert "forward" in vars(unwrap_block(layers[1]))
+    assert len(compiled_checkpoint_entries(model)) == 1  # the CheckpointWrapper.forward that compile_outer traces
+    with pytest.raises(RuntimeError, match="already compiled"):
+        apply_compile(model, config=ON, layouts=layouts)
+
+
+def test_unknown_backend_names_the_key():
+    model = build_model(model_config())
+    with pytest.raises(ConfigError, match=r"compile.backend: 'inductr' is not a registered torch.compile backend"):
+        apply_compile(model, config=CompileConfig(enabled=True, backend="inductr"), layouts=[None, None, "ac_outer"])
+
+
+def test_validation_rejects_the_silent_eager_layouts_before_any_process_group():
+    def issues(*overrides: str) -> list[str]:
+        with pytest.raises(ConfigError) as info:
+            validate_recipe(load_recipe(RECIPES / "tiny" / "qwen3_moe_tiny.yaml", list(overrides)), world_size=2)
+        return [issue.key for issue in info.value.issues]
+
+    assert issues("compile.enabled=true", "compile.layout=compile_outer") == ["compile.layout"]
+    assert issues("compile.enabled=true", "compile.fullgraph=true") == ["compile.fullgraph"]
+    fine = ["compile.enabled=true", "compile.layout=compile_outer", "model.moe.separate_fsdp_unit=false"]
+    validate_recipe(load_recipe(RECIPES / "tiny" / "qwen3_moe_tiny.yaml", fine), world_size=2)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the eager fallback, observed
+
+
+@pytest.fixture(scope="module")
+def world():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def sharded_tiny(layout: str | None) -> torch.nn.Module:
+    """The tiny recipe (experts as a nested FSDP unit) through the production parallelizer, world size 1."""
+    recipe = load_recipe(RECIPES / "tiny" / "qwen3_moe_tiny.yaml", ["model.num_layers=1"])
+    layout_cfg = validate_recipe(recipe, world_size=1)
+    compile_config = CompileConfig(enabled=layout is not None, backend="aot_eager", layout=layout or "auto")
+    model = build_model(recipe.model)
+    parallelize(
+        model,
+        meshes=build_meshes(layout_cfg, device_type="cpu"),
+        model_config=recipe.model,
+        parallel=recipe.parallel,
+        activation_checkpointing=recipe.activation_checkpointing,
+        compile=compile_config,
+        backend=recipe.backend,
+    )
+    materialize_and_init(model, device=torch.device("cpu"), seed=0)
+    return model
+
+
+def loss_of(model: torch.nn.Module) -> float:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (2, 40), generator=g)
+    doc = (torch.arange(40) // 7).expand(2, 40).contiguous()
+    out = model(ids, position_ids=(torch.arange(40) % 7).expand(2, 40).contiguous(), attn=build_attention_inputs(doc))
+    loss = out.logits.float().square().mean()
+    loss.backward()
+    return loss.item()
+
+
+def test_compile_outer_over_a_nested_fsdp_unit_runs_eagerly_and_is_reported(world, fresh_dynamo):
+    """compile(AC(block)) with the experts' FSDP hooks inside the checkpoint: Dynamo captures no graph at all (the
+    block silently runs eagerly); validation rejects this layout, and CompileAccounting warns if it happens."""
+    expected = loss_of(sharded_tiny(None))
+    model = sharded_tiny("compile_outer")
+    watch = compiled_checkpoint_entries(model)
+    with (
+        CompileAccounting(watch_checkpoint_entries=watch) as accounting,
+        pytest.warns(EagerFallbackWarning, match=r"compile\(AC\(block\)\) captured no graph"),
+    ):
+        assert loss_of(model) == pytest.approx(expected, rel=1e-6)
+        accounting.refresh()
+    assert counters["stats"]["unique_graphs"] == 0
+    assert accounting.metrics()["eager_fallbacks"] == 1 and accounting.metrics()["compiles_fwd"] == 1

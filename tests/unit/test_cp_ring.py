@@ -1,0 +1,186 @@
+"""Ring attention math in one process: the online-softmax merge and the whole head-tail ring against plain SDPA.
+
+The ring's communication is exercised by tests/functional/test_ep_cp_ops.py; here every rank's K/V block is handed
+to ``ring_block_update`` directly in ring order, which is exactly what the op does between two hops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from nemo_ac.distributed.context_parallel.ring import block_attention, block_mask, merge_partials, ring_block_update
+from nemo_ac.distributed.context_parallel.sharding import (
+    RingAttentionInputs,
+    head_tail_positions,
+    ring_attention_inputs,
+    shard_positions,
+)
+from nemo_ac.models.common.attention import document_causal_mask, packed_causal_attention
+from nemo_ac.models.interfaces import AttentionInputs
+
+NH, NKV, HD = 4, 2, 8
+
+
+def _packed_docs(seq_len: int, lengths: list[int], *, pad_tail: int = 0) -> torch.Tensor:
+    """Document ids of one row: documents of the given lengths, then ``pad_tail`` padding tokens (-1)."""
+    ids = [i for i, n in enumerate(lengths) for _ in range(n)] + [-1] * pad_tail
+    assert len(ids) == seq_len, (len(ids), seq_len)
+    return torch.tensor(ids)
+
+
+def _docs(seq_len: int) -> torch.Tensor:
+    """Two rows: short documents with padding, and one long document spanning several chunks."""
+    first = _packed_docs(seq_len, [3, 5, 1, seq_len - 9 - 2], pad_tail=2)
+    second = _packed_docs(seq_len, [seq_len - 4, 4])
+    return torch.stack((first, second))
+
+
+def _qkv(b: int, s: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, NH, HD, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, s, NKV, HD, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, s, NKV, HD, generator=gen, dtype=torch.float64)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+
+
+def _emulated_ring(q, k, v, docs, *, cp_size: int, meta_override: dict | None = None) -> torch.Tensor:
+    """Every rank's ring output, scattered back to global positions: [B, S, NH, HD]."""
+    b, s = docs.shape
+    scale = HD**-0.5
+    out = torch.zeros_like(q)
+    for rank in range(cp_size):
+        meta = ring_attention_inputs(docs, cp_size=cp_size, cp_rank=rank)
+        if meta_override:
+            meta = dataclasses.replace(meta, **meta_override)
+        pos = shard_positions(s, cp_size=cp_size, cp_rank=rank, cp_type="ring")
+        q_local = q[:, pos].transpose(1, 2)
+        state = None
+        for step in range(cp_size):
+            src = (rank - step) % cp_size
+            src_pos = shard_positions(s, cp_size=cp_size, cp_rank=src, cp_type="ring")
+            state = ring_block_update(
+                state,
+                q_local,
+                k[:, src_pos].transpose(1, 2),
+                v[:, src_pos].transpose(1, 2),
+                q_doc=docs[:, pos],
+                meta=meta,
+                src=src,
+                cp_rank=rank,
+                cp_size=cp_size,
+                scale=scale,
+            )
+        local = torch.cat((state[0], state[2]), dim=2).transpose(1, 2)
+        out = out.index_put((torch.arange(b)[:, None], pos[None, :]), local)
+    return out
+
+
+def _reference(q, k, v, docs) -> torch.Tensor:
+    attn = AttentionInputs(document_ids=docs, cu_seqlens=torch.zeros(1), max_seqlen=0)
+    return packed_causal_attention(q, k, v, attn)
+
+
+def test_block_attention_merge_equals_sdpa_including_fully_masked_rows() -> None:
+    """Keys split into three blocks (one where some query rows see nothing) merge to exactly SDPA."""
+    s = 14
+    docs = _packed_docs(s, [4, 6, 4]).unsqueeze(0)
+    q, k, v = _qkv(1, s)
+    mask = document_causal_mask(docs)  # [1, 1, S, S]
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)))
+    ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+    bounds = [(0, 5), (5, 9), (9, 14)]
+    out = lse = None
+    for lo, hi in [bounds[1], bounds[0], bounds[2]]:  # any block order: the merge is commutative
+        o, l_blk = block_attention(qh, kh[:, :, lo:hi], vh[:, :, lo:hi], mask[..., lo:hi], scale=HD**-0.5)
+        if lo == 9:
+            assert torch.isinf(l_blk[0, 0, :9]).all() and (o[0, 0, :9] == 0).all()  # rows with no key in block
+        # Rows 0..4 see nothing in the first block [5, 9): their lse is -inf until block [0, 5) is merged.
+        out, lse = (o, l_blk) if out is None else merge_partials(out, lse, o, l_blk)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_head_tail_ring_equals_full_packed_attention_forward_and_backward(cp_size: int) -> None:
+    s = 8 * cp_size + 8 * cp_size // 2  # 24 or 48: chunks of 6; never a model dimension
+    docs = _docs(s)
+    q, k, v = _qkv(2, s, seed=cp_size)
+    ring = _emulated_ring(q, k, v, docs, cp_size=cp_size)
+    ref = _reference(q, k, v, docs)
+    torch.testing.assert_close(ring, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(ring, (q, k, v), grad, retain_graph=True)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [{"local_k_slice": 10**6}, {"max_seqlen_q": 1}, {"max_seqlen_k": 1}],
+    ids=["local_k_slice", "max_seqlen_q", "max_seqlen_k"],
+)
+def test_per_micro_batch_ints_are_real_inputs(override: dict) -> None:
+    """A wrong value of any ring int changes the output: the ints take part in the computation (which is why
+    compile must keep them symbolic instead of ignoring them)."""
+    s = 24
+    docs = _docs(s)
+    q, k, v = _qkv(2, s, seed=7)
+    right = _emulated_ring(q, k, v, docs, cp_size=2)
+    wrong = _emulated_ring(q, k, v, docs, cp_size=2, meta_override=override)
+    assert not torch.allclose(right, wrong)
+
+
+def test_ring_ints_match_brute_force_definitions() -> None:
+    s, cp_size = 24, 2
+    docs = _docs(s)
+    for rank in range(cp_size):
+        meta = ring_attention_inputs(docs, cp_size=cp_size, cp_rank=rank)
+        local = shard_positions(s, cp_size=cp_size, cp_rank=rank, cp_type="ring").tolist()
+        extents = []  # per row: (start, length) of the document of every position, padding = own document
+        for row in docs.tolist():
+            spans, start = [], 0
+            for p in range(1, s + 1):
+                if p == s or row[p] != row[p - 1] or row[p] < 0:
+                    spans += [(start, p - start)] * (p - start)
+                    start = p
+            extents.append(spans)
+        assert meta.max_seqlen_q == max(extents[r][p][1] for r in range(2) for p in local)
+        assert meta.max_seqlen_k == max(n for spans in extents for _, n in spans)
+        assert meta.local_k_slice == min(extents[r][p][0] for r in range(2) for p in local)
+        assert meta.document_ids.dtype == torch.int32 and meta.document_ids.shape == (2, s)
+
+
+def test_block_mask_padding_attends_itself_only() -> None:
+    meta = RingAttentionInputs(document_ids=torch.zeros(1, 4), max_seqlen_q=8, max_seqlen_k=8, local_k_slice=0)
+    pos = torch.arange(4)
+    docs = torch.tensor([[0, 0, -1, -1]])
+    mask = block_mask(pos, pos, docs, docs, meta)[0, 0]
+    assert mask.tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [False, False, True, False],
+        [False, False, False, True],
+    ]
+
+
+def test_head_tail_positions_balance_causal_work() -> None:
+    """Rank i holds chunks i and 2cp-1-i; every rank has the same number of causal (query, key) pairs."""
+    cp_size, chunk = 4, 3
+    s = 2 * cp_size * chunk
+    seen = []
+    work = []
+    for rank in range(cp_size):
+        pos = head_tail_positions(chunk, cp_size=cp_size, cp_rank=rank)
+        seen += pos.tolist()
+        work.append(int((pos + 1).sum()))  # a query at position p attends p + 1 keys
+    assert sorted(seen) == list(range(s))
+    assert len(set(work)) == 1, work

@@ -1,0 +1,162 @@
+"""config.json <-> ModelConfig per family, and checkpoints exchanged with transformers itself (save_pretrained ->
+nemo_ac, nemo_ac -> from_pretrained) giving the same logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_ac.config.schema import ModelConfig
+from nemo_ac.models import build_model
+from nemo_ac.models.common.attention import build_attention_inputs
+from nemo_ac.models.hf_config import hf_config_dict, read_hf_config
+from nemo_ac.models.hf_io import export_hf_checkpoint, load_hf_checkpoint
+from nemo_ac.models.init import materialize_and_init
+from tests.unit.test_hf_io import CONFIGS
+
+# zai-org/GLM-4.5-Air config.json as published (transformers 4.54 era: legacy top-level rope keys).
+GLM_45_AIR = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "pad_token_id": 151329,
+    "eos_token_id": [151329, 151336, 151338],
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "partial_rotary_factor": 0.5,
+    "initializer_range": 0.02,
+    "intermediate_size": 10944,
+    "max_position_embeddings": 131072,
+    "model_type": "glm4_moe",
+    "moe_intermediate_size": 1408,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_routed_experts": 128,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 1.0,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 1,
+    "num_hidden_layers": 46,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_qk_norm": False,
+    "vocab_size": 151552,
+}
+
+
+def _write(root: Path, config: dict) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_config_round_trip(family: str, tmp_path: Path) -> None:
+    cfg = CONFIGS[family]()
+    assert read_hf_config(_write(tmp_path, hf_config_dict(cfg))) == cfg
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_transformers_reads_our_config_the_same_way(family: str, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is not importable")
+    cfg = CONFIGS[family]()
+    d = hf_config_dict(cfg)
+    hf = transformers.AutoConfig.for_model(**{k: v for k, v in d.items() if k != "model_type"}, model_type=family)
+    assert read_hf_config(_write(tmp_path, hf.to_dict())) == cfg
+
+
+def test_glm_45_air_config(tmp_path: Path) -> None:
+    cfg = read_hf_config(_write(tmp_path, GLM_45_AIR))
+    assert (cfg.family, cfg.num_layers, cfg.head_dim, cfg.partial_rotary_factor) == ("glm4_moe", 46, 128, 0.5)
+    assert (cfg.rope_theta, cfg.attention_bias, cfg.qk_norm, cfg.first_k_dense_replace) == (1e6, True, False, 1)
+    moe = cfg.moe
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.shared_expert_intermediate_size) == (128, 8, 1408)
+    assert (moe.score_func, moe.score_correction_bias, moe.router_dtype) == ("sigmoid", True, "float32")
+    # Built on meta (no memory): GLM-4.5-Air is published as 106B total parameters (without its MTP layer here).
+    total = sum(p.numel() for p in build_model(cfg).parameters())
+    assert 1.05e11 < total < 1.08e11
+
+
+def test_nemotron_legacy_keys_and_rejections(tmp_path: Path) -> None:
+    legacy = {
+        "model_type": "nemotron_h",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 48,
+        "layers_block_type": ["mamba", "moe", "attention", "mlp"],
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 8,
+        "ssm_state_size": 8,
+        "mamba_n_groups": 2,
+        "mamba_d_conv": 3,
+        "mamba_chunk_size": 16,
+        "mamba_dt_min": 0.002,
+        "n_routed_experts": 4,
+        "moe_intermediate_size": 16,
+        "moe_shared_expert_intermediate_size": None,  # transformers falls back to intermediate_size
+    }
+    cfg = read_hf_config(_write(tmp_path / "a", legacy))
+    assert (cfg.layer_pattern, cfg.num_layers, cfg.qk_norm) == ("ME*-", 4, False)
+    assert (cfg.mamba.n_groups, cfg.mamba.conv_kernel, cfg.mamba.chunk_size, cfg.mamba.time_step_min) == (
+        2,
+        3,
+        16,
+        0.002,
+    )
+    assert cfg.moe.shared_expert_intermediate_size == 48 and cfg.moe.latent_size == 0
+    build_model(cfg)
+    with pytest.raises(NotImplementedError, match="mlp_hidden_act='silu'"):
+        read_hf_config(_write(tmp_path / "b", {**legacy, "mlp_hidden_act": "silu"}))
+    with pytest.raises(NotImplementedError, match="model_type 'llama' has no nemo_ac family"):
+        read_hf_config(_write(tmp_path / "c", {"model_type": "llama"}))
+    with pytest.raises(NotImplementedError, match="rope_type 'yarn'"):
+        read_hf_config(_write(tmp_path / "d", {**GLM_45_AIR, "rope_scaling": {"type": "yarn", "factor": 4.0}}))
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        return model(ids, position_ids=pos, attn=build_attention_inputs(torch.zeros_like(ids))).logits
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "nemotron_h"])
+def test_checkpoints_exchange_with_transformers(family: str, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is not importable; HF parity needs it")
+    cfg: ModelConfig = CONFIGS[family]()
+    ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
+
+    # nemo_ac -> Hub layout -> transformers.
+    ours = materialize_and_init(build_model(cfg), device="cpu", seed=11).eval()
+    export_hf_checkpoint(ours, tmp_path / "ours", max_shard_bytes=50_000)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    torch.testing.assert_close(_logits(ours, ids), ref, atol=1e-4, rtol=1e-4)
+
+    # transformers' own save_pretrained (Hub layout, sharded) -> nemo_ac.
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    loaded = build_model(read_hf_config(tmp_path / "hf"))
+    loaded.to_empty(device="cpu")
+    load_hf_checkpoint(loaded, tmp_path / "hf")
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    torch.testing.assert_close(_logits(loaded.eval(), ids), ref, atol=1e-4, rtol=1e-4)
