@@ -219,16 +219,41 @@ class SelectivePolicy:
 # SAC modes: torch's pair, subclassed per instance
 
 
+def _inductor_compiled_code_op() -> Any:
+    try:
+        from torch._higher_order_ops.wrap import inductor_compiled_code
+    except ImportError:  # torch releases without the HOP cannot wrap compiled regions either
+        return None
+    return inductor_compiled_code
+
+
+_INDUCTOR_COMPILED_CODE = _inductor_compiled_code_op()
+
+
+def _passes_through(func: Any) -> bool:
+    """Ops the SAC modes neither count, cache nor replay: FSDP2's hook ops (sac_compat) and whole inductor-compiled
+    regions of an ac_outer block (``inductor_compiled_code``, see ``compile.ac_outer_region_kwargs``).
+
+    A compiled region is always recomputed: inductor owns its buffers, and torch keys its storage by the compiled
+    callable's id, which changes whenever the recompute recompiles on another thread (the autograd device thread
+    on GPU), turning a cached region into ``inductor_compiled_code ... not found in storage``.
+    """
+    return fsdp_hook_running() or (_INDUCTOR_COMPILED_CODE is not None and func is _INDUCTOR_COMPILED_CODE)
+
+
 class _RegionCachingMixin:
-    """Forward (caching) mode: FSDP2 hook ops pass through uncounted (sac_compat); a fresh region starts with no
-    FSDP bracket open."""
+    """Forward (caching) mode: FSDP2 hook ops and compiled regions pass through uncounted; a fresh region starts
+    with no FSDP bracket open."""
 
     def __enter__(self):
         reset_fsdp_hook_state()
         return super().__enter__()
 
+    # Runs between compiled graphs of an ac_outer block; without this Dynamo compiles the mode itself (once per
+    # thread, the backward thread included).
+    @torch._disable_dynamo
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if fsdp_hook_running():
+        if _passes_through(func):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -239,8 +264,11 @@ class _RegionCachedMixin:
     _nemo_region = ""
     _nemo_workarounds = True
 
+    # Runs between compiled graphs of an ac_outer block; without this Dynamo compiles the mode itself (once per
+    # thread, the backward thread included).
+    @torch._disable_dynamo
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if fsdp_hook_running():
+        if _passes_through(func):
             return func(*args, **(kwargs or {}))
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
@@ -258,12 +286,35 @@ def _region_class(base: type, mixin: type) -> type:
     return type(f"NemoAC{base.__name__}", (mixin, base), {})
 
 
+def _inherit_hop_redirects(base: type, region_class: type) -> None:
+    """Give the subclass torch's higher-order-op handling of its SAC mode.
+
+    torch registers how a HOP (``inductor_compiled_code``, ``flex_attention``, ``invoke_subgraph``, ...) meets the
+    SAC modes with ``redirect_to_mode(hop, _CachingTorchDispatchMode)``, looked up by the mode's *exact* type; a
+    subclass instance otherwise fails with ``NotImplementedError: There was no rule registered for
+    HigherOrderOperator inductor_compiled_code and mode NemoAC_CachingTorchDispatchMode``. Checked on every region
+    (cheap dict lookups) because HOP modules register lazily, on first import.
+    """
+    from torch._ops import _higher_order_ops
+
+    for hop in list(_higher_order_ops.values()):
+        table = getattr(hop, "python_key_table", {})
+        if base in table and region_class not in table:
+            hop.py_impl(region_class)(functools.partial(_redirect_hop_to_mode, hop))
+
+
+def _redirect_hop_to_mode(hop: Any, mode: Any, *args: Any, **kwargs: Any) -> Any:
+    return mode.__torch_dispatch__(hop, [], args, kwargs)
+
+
 def _as_region_mode(mode: Any, mixin: type, **attrs: Any) -> Any:
     """Re-class one of torch's SAC modes (private classes ``_CachingTorchDispatchMode`` /
     ``_CachedTorchDispatchMode``) as a subclass with ``mixin`` in front. Only the instance changes; subclassing the
     returned object instead of constructing the private classes keeps us independent of their constructor
     signatures across torch releases."""
-    mode.__class__ = _region_class(type(mode), mixin)
+    base = type(mode)
+    mode.__class__ = _region_class(base, mixin)
+    _inherit_hop_redirects(base, mode.__class__)
     for name, value in attrs.items():
         setattr(mode, name, value)
     return mode

@@ -24,15 +24,6 @@ DATA = ["data.fixed_length=false", "data.seq_len=96", "data.pad_multiple=12"]
 COMMON = ["train.seed=2", "train.global_batch_size=8", "activation_checkpointing.mode=none", *DATA]
 REL = 1e-5
 COMPILE_WORKER = ROOT / "tests" / "functional" / "workers" / "ep_cp_compile.py"
-SAC_INDUCTOR_BUG = (
-    "known issue, owned by the selective-AC / compile issues: under ac_outer the selective policy MUST_SAVEs the "
-    "output of a functional all-to-all that runs inside an inductor graph by reference, inductor reuses that buffer "
-    "later in the graph, and the recompute reads overwritten data (exact with compile.backend=aot_eager, with "
-    "activation_checkpointing.selective.save_communication=false or with inductor allow_buffer_reuse=False)"
-)
-# Messages parallelize raises for features whose issues have not landed yet (the cell then skips, saying so).
-PENDING = ("not available yet",)
-
 # name -> (ranks, overrides). EP borrows its ranks from dp_shard x cp: with cp=2 on 2 ranks, ep=2 spans the CP pair.
 CELLS = {
     "ep2": (2, ["parallel.ep=2", "train.micro_batch_size=2"]),
@@ -60,13 +51,6 @@ CELLS = {
 }
 
 
-def _skip_if_pending(output: str) -> None:
-    for marker in PENDING:
-        if marker in output:
-            line = next(line for line in output.splitlines() if marker in line)
-            pytest.skip(f"pending another issue: {line.strip()}")
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run = run_recipe(
@@ -83,8 +67,6 @@ def reference(tmp_path_factory):
 def test_parallel_layout_matches_one_process(name: str, reference, tmp_path) -> None:
     nproc, overrides = CELLS[name]
     run = run_recipe(RECIPE, nproc=nproc, run_dir=tmp_path / name, overrides=[*COMMON, "train.steps=3", *overrides])
-    if run.returncode != 0:
-        _skip_if_pending(run.output)
     run.check()
     losses, grad_norms = reference
     assert_close_rel(run.losses, losses, rel=REL)
@@ -124,8 +106,9 @@ def test_compiled_ring_ep_matches_and_never_recompiles_after_step_2(reference, t
 
 
 def test_compiled_ring_with_selective_ac_matches_one_process(reference, tmp_path) -> None:
-    """Selective AC and compile (ac_outer) together, ring CP. Expected to pass once the known SAC x inductor issue
-    is fixed; until then a parity mismatch (only that: a crash still fails) is reported as xfail with the cause."""
+    """Selective AC and compile (ac_outer) together, ring CP. Guards the SAC x inductor fix: without
+    ``wrap_inductor_compiled_regions`` the policy cached references to a functional all-to-all's output inside
+    inductor code, inductor reused the buffer, and the grad norm came out 3.5% off with no error."""
     overrides = [
         *COMMON,
         "train.steps=3",
@@ -137,12 +120,7 @@ def test_compiled_ring_with_selective_ac_matches_one_process(reference, tmp_path
         "compile.layout=ac_outer",
     ]
     run = run_recipe(RECIPE, nproc=2, run_dir=tmp_path / "sac_compile", overrides=overrides)
-    if run.returncode != 0:
-        _skip_if_pending(run.output)
-    run.check()  # a crash is a failure, not the known issue below
+    run.check()
     losses, grad_norms = reference
-    try:
-        assert_close_rel(run.losses, losses, rel=REL)
-        assert_close_rel([m["grad_norm"] for m in run.metrics], grad_norms, rel=REL)
-    except AssertionError as mismatch:
-        pytest.xfail(f"{SAC_INDUCTOR_BUG} ({mismatch})")
+    assert_close_rel(run.losses, losses, rel=REL)
+    assert_close_rel([m["grad_norm"] for m in run.metrics], grad_norms, rel=REL)
