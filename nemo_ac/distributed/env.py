@@ -75,6 +75,18 @@ def init_distributed(cfg: DistConfig) -> DistEnv:
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 
-def destroy_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_distributed(*, synchronize: bool = True) -> None:
+    """Tear the process group down, after every rank has reached this point when ``synchronize``.
+
+    Without the barrier a fast rank closes its gloo pairs while a slower peer still has a collective in flight;
+    the peer's gloo I/O thread then dies at exit with ``terminate called without an active exception`` (SIGABRT,
+    seen once in CI on a ring-CP run that had already printed its summary). Pass ``synchronize=False`` on an error
+    path, where a peer may never arrive and the barrier would only wait out the timeout.
+    """
+    if not dist.is_initialized():
+        return
+    if synchronize:
+        if torch.cuda.is_available() and dist.get_backend() == "nccl":
+            torch.cuda.synchronize()
+        dist.barrier()
+    dist.destroy_process_group()
