@@ -2,8 +2,9 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
-RECIPE ?= recipes/tiny/qwen3_moe_tiny.yaml
-NPROC ?= 2
+# The tiny Qwen3.6 MedPix recipe: EP2 x CP2, FSDP2, selective AC and torch.compile at once on 4 CPU processes.
+RECIPE ?= recipes/tiny/qwen3_6_medpix_tiny.yaml
+NPROC ?= 4
 ARGS ?=
 
 .PHONY: run test lint install clean

@@ -1,4 +1,4 @@
-"""``nemo-ac`` console script: train (launches torchrun for you), validate (no training)."""
+"""``nemo-ac`` console script: train (launches torchrun for you), validate (no training), doctor (torch probes)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,20 @@ import sys
 from collections.abc import Sequence
 
 from nemo_ac.config import ConfigError, check_environment, load_recipe, validate_recipe
+from nemo_ac.doctor.args import add_doctor_arguments
 
 
 def _validate(args: argparse.Namespace) -> int:
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         layout = validate_recipe(recipe, world_size=args.world_size, source=args.recipe)
+        if recipe.model.pretrained or recipe.checkpoint.export_hf:
+            # HF weights: a local model.pretrained's config.json must match the recipe (needs torch + models).
+            from nemo_ac.trainer.hf_weights import check_hf_weights
+
+            mismatches = check_hf_weights(recipe)
+            if mismatches:
+                raise ConfigError(mismatches, source=args.recipe)
         if args.check_env:
             import torch
 
@@ -54,6 +62,15 @@ def _train(args: argparse.Namespace) -> int:
     return subprocess.call(command, env=env)
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    if args.overrides:
+        print(f"nemo-ac doctor: takes no overrides: {' '.join(args.overrides)}", file=sys.stderr)
+        return 2
+    from nemo_ac.doctor.runner import doctor_main  # imports torch: only when the command runs
+
+    return doctor_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nemo-ac")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--world-size", type=int, required=True)
     validate.add_argument("--check-env", action="store_true", help="also require the optional extras it names")
     validate.set_defaults(func=_validate)
+
+    doctor = sub.add_parser(
+        "doctor", help="which FSDP2 + selective AC + compile failures this torch has, and whether nemo_ac fixes them"
+    )
+    add_doctor_arguments(doctor)
+    doctor.set_defaults(func=_doctor)
     return parser
 
 

@@ -104,7 +104,9 @@ class VisionConfig:
 @dataclass
 class ModelConfig:
     family: Family = "qwen3_moe"
-    # Optional: Hugging Face model id or local dir whose safetensors are loaded after parallelization.
+    # Optional: Hugging Face model id or local dir whose safetensors are loaded after parallelization (random init
+    # otherwise). The architecture is built from the fields below; a local dir's config.json must agree with them
+    # (checked before any process group starts; a Hub id is checked after download, before loading).
     pretrained: str | None = None
     vocab_size: int = 128
     hidden_size: int = 64
@@ -187,7 +189,8 @@ class SelectiveACConfig:
 @dataclass
 class ActivationCheckpointingConfig:
     mode: Literal["none", "full", "selective"] = "none"
-    # Move saved activations to CPU during forward and back for backward.
+    # Move what decoder blocks save for backward to host memory during forward and back for backward (pinned
+    # memory + a side stream on CUDA; nemo_ac/distributed/offload.py). With mode: full that is each block's input.
     offload: bool = False
     # Where AC sits relative to a block's fully_shard: inside = fully_shard(AC(block)) (torchtitan's layout; only
     # nested expert/router units run their FSDP hooks inside the checkpoint); outside = AC(fully_shard(block))
@@ -303,8 +306,14 @@ class CheckpointConfig:
     resume: str = "none"  # none | auto (newest complete checkpoint under dir) | path to a step_<N> directory
     # Check every file's sha256 against the manifest before loading (sizes are always checked).
     verify: bool = True
-    # Consolidated HF-layout safetensors export: lands with the HF-mapping issue (rejected by validation until then).
+    # At the end of training, write the model as a consolidated Hugging Face checkpoint (config.json + safetensors,
+    # per-expert keys) that transformers' from_pretrained and model.pretrained load. Works with train.steps=0 to
+    # convert model.pretrained / checkpoint.resume weights without training.
     export_hf: bool = False
+    # Where export_hf writes (replaced atomically); null = <checkpoint.dir>/hf.
+    export_hf_dir: str | None = None
+    # dtype of exported floating-point parameters; null = as trained (the fp32 master weights by default).
+    export_dtype: DTypeName | None = None
 
 
 @dataclass

@@ -2,24 +2,29 @@
 
 Each rule is a small function ``rule(recipe, world_size) -> list[ConfigIssue]`` in ``RULES``; every message names
 the key, the bad value and what would work. ``validate_recipe`` runs them all and resolves the parallel layout.
-``check_environment`` separately verifies that optional extras a recipe asks for are importable (run by the
-trainer before ``init_process_group``; ``nemo-ac validate --check-env`` runs it on demand).
+The model and data rules live in ``rules_model``; ``environment.check_environment`` separately verifies that the
+optional extras a recipe asks for are importable.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.config.rules_model import (
+    check_data,
+    check_experts,
+    check_freeze,
+    check_model_family,
+    check_model_shape,
+    check_vision_language,
+)
 from nemo_ac.config.schema import RecipeConfig
 
 # _target_ extension points may only name callables under these module prefixes.
 TARGET_ALLOWLIST = ("torch.optim.", "nemo_ac.")
-
-# Families whose mixers are not softmax attention everywhere (ring CP cannot pass their recurrent state).
-_LAYER_PATTERN_CHARS = {"nemotron_h": set("M*E-"), "qwen3_5_moe": set("LA")}
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,8 @@ def check_parallel_sizes(recipe: RecipeConfig, world_size: int) -> list[ConfigIs
             ConfigIssue(
                 "parallel",
                 f"dp_replicate*dp_shard*cp = {par.dp_replicate}*{dp_shard}*{par.cp} = {product} must equal the world "
-                f"size {world_size}; set parallel.dp_shard=-1 to use the rest",
+                f"size {world_size}: launch {product} processes for this layout, or set parallel.dp_shard=-1 to use the "
+                "rest",
             )
         ]
     if (dp_shard * par.cp) % par.ep != 0:
@@ -91,94 +97,6 @@ def check_parallel_sizes(recipe: RecipeConfig, world_size: int) -> list[ConfigIs
             )
         ]
     return []
-
-
-def check_experts(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
-    moe = recipe.model.moe
-    issues = []
-    if moe.num_experts < 1:
-        issues.append(ConfigIssue("model.moe.num_experts", f"must be >= 1, got {moe.num_experts}"))
-        return issues
-    if recipe.parallel.ep >= 1 and moe.num_experts % recipe.parallel.ep != 0:
-        issues.append(
-            ConfigIssue(
-                "model.moe.num_experts",
-                f"{moe.num_experts} experts cannot be split over parallel.ep={recipe.parallel.ep}; "
-                "num_experts must be a multiple of ep",
-            )
-        )
-    if not 1 <= moe.num_experts_per_tok <= moe.num_experts:
-        issues.append(
-            ConfigIssue(
-                "model.moe.num_experts_per_tok",
-                f"{moe.num_experts_per_tok} must be between 1 and num_experts={moe.num_experts}",
-            )
-        )
-    if moe.n_group < 1 or moe.num_experts % moe.n_group != 0:
-        issues.append(
-            ConfigIssue("model.moe.n_group", f"{moe.n_group} must be >= 1 and divide num_experts={moe.num_experts}")
-        )
-    elif not 1 <= moe.topk_group <= moe.n_group:
-        issues.append(ConfigIssue("model.moe.topk_group", f"{moe.topk_group} must be between 1 and n_group"))
-    if recipe.parallel.ep == 1 and recipe.backend.dispatcher == "deepep":
-        issues.append(
-            ConfigIssue(
-                "backend.dispatcher",
-                "deepep moves tokens between expert-parallel ranks but parallel.ep is 1; set parallel.ep > 1 or "
-                "backend.dispatcher: torch",
-            )
-        )
-    if recipe.parallel.ep > 1 and not moe.separate_fsdp_unit:
-        issues.append(
-            ConfigIssue(
-                "model.moe.separate_fsdp_unit",
-                "expert parallel shards experts on their own mesh; they must be a separate FSDP unit (set true)",
-            )
-        )
-    return issues
-
-
-def check_model_shape(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
-    m = recipe.model
-    issues = []
-    for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
-        if getattr(m, name) < 1:
-            issues.append(ConfigIssue(f"model.{name}", f"must be >= 1, got {getattr(m, name)}"))
-    if issues:
-        return issues
-    if m.num_attention_heads % m.num_key_value_heads != 0:
-        issues.append(
-            ConfigIssue(
-                "model.num_key_value_heads",
-                f"{m.num_key_value_heads} must divide num_attention_heads={m.num_attention_heads} (GQA groups)",
-            )
-        )
-    if not 0 <= m.first_k_dense_replace <= m.num_layers:
-        issues.append(
-            ConfigIssue("model.first_k_dense_replace", f"{m.first_k_dense_replace} must be in [0, num_layers]")
-        )
-    if not 0.0 < m.partial_rotary_factor <= 1.0:
-        issues.append(ConfigIssue("model.partial_rotary_factor", f"{m.partial_rotary_factor} must be in (0, 1]"))
-    allowed = _LAYER_PATTERN_CHARS.get(m.family)
-    if m.layer_pattern:
-        if allowed is None:
-            issues.append(ConfigIssue("model.layer_pattern", f"family {m.family!r} takes no layer_pattern"))
-        elif set(m.layer_pattern) - allowed:
-            issues.append(
-                ConfigIssue(
-                    "model.layer_pattern",
-                    f"{m.layer_pattern!r} has characters {sorted(set(m.layer_pattern) - allowed)}; "
-                    f"family {m.family} allows {sorted(allowed)}",
-                )
-            )
-        elif len(m.layer_pattern) != m.num_layers:
-            issues.append(
-                ConfigIssue(
-                    "model.layer_pattern",
-                    f"has {len(m.layer_pattern)} layers but model.num_layers={m.num_layers}",
-                )
-            )
-    return issues
 
 
 def check_context_parallel(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
@@ -206,6 +124,14 @@ def check_context_parallel(recipe: RecipeConfig, world_size: int) -> list[Config
             )
         issues.extend(_ulysses_recurrent_mixer_issues(recipe))
     else:
+        if recipe.backend.attention == "te":
+            issues.append(
+                ConfigIssue(
+                    "backend.attention",
+                    "te is not used under cp_type: ring (the ring computes attention itself, block by block); set "
+                    "backend.attention: sdpa or parallel.cp_type: ulysses (which runs the te op on its head shards)",
+                )
+            )
         hybrid = m.family in ("nemotron_h", "qwen3_5_moe")
         if hybrid:
             issues.append(
@@ -239,12 +165,14 @@ def _ulysses_recurrent_mixer_issues(recipe: RecipeConfig) -> list[ConfigIssue]:
     groups): each rank runs whole heads over the whole sequence, so they must divide evenly over cp."""
     par, m = recipe.parallel, recipe.model
     issues = []
-    if m.family == "qwen3_5_moe" and m.linear_attention.num_key_heads % par.cp != 0:
+    linear = m.linear_attention
+    if m.family == "qwen3_5_moe" and (linear.num_key_heads % par.cp != 0 or linear.num_value_heads % par.cp != 0):
         issues.append(
             ConfigIssue(
                 "parallel.cp",
                 f"ulysses CP splits Gated DeltaNet heads: model.linear_attention.num_key_heads="
-                f"{m.linear_attention.num_key_heads} must be divisible by cp={par.cp}",
+                f"{linear.num_key_heads} and num_value_heads={linear.num_value_heads} must both be divisible by "
+                f"cp={par.cp}",
             )
         )
     if m.family == "nemotron_h":
@@ -291,16 +219,24 @@ def check_batching(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
 def check_training(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
     t = recipe.train
     issues = []
-    if t.steps < 1:
-        issues.append(ConfigIssue("train.steps", f"must be >= 1, got {t.steps}"))
-    if t.lr <= 0:
-        issues.append(ConfigIssue("train.lr", f"must be > 0, got {t.lr}"))
-    if not 0 <= t.warmup_steps <= max(t.steps, 0):
+    if t.steps < 0:
+        issues.append(ConfigIssue("train.steps", f"must be >= 0, got {t.steps}"))
+    elif t.steps == 0 and not recipe.checkpoint.export_hf:
+        issues.append(
+            ConfigIssue(
+                "train.steps",
+                "0 trains nothing; it only converts weights (model.pretrained or checkpoint.resume -> HF safetensors) "
+                "with checkpoint.export_hf=true. Set train.steps >= 1 to train",
+            )
+        )
+    if not math.isfinite(t.lr) or t.lr <= 0:
+        issues.append(ConfigIssue("train.lr", f"must be a finite number > 0, got {t.lr}"))
+    if t.steps > 0 and not 0 <= t.warmup_steps <= t.steps:
         issues.append(ConfigIssue("train.warmup_steps", f"{t.warmup_steps} must be in [0, train.steps={t.steps}]"))
     if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
         issues.append(ConfigIssue("train.betas", f"{t.betas} must be two numbers in [0, 1)"))
-    if t.grad_clip < 0:
-        issues.append(ConfigIssue("train.grad_clip", f"must be >= 0 (0 disables), got {t.grad_clip}"))
+    if not math.isfinite(t.grad_clip) or t.grad_clip < 0:
+        issues.append(ConfigIssue("train.grad_clip", f"must be a finite number >= 0 (0 disables), got {t.grad_clip}"))
     for key, spec in (("train.optimizer", t.optimizer), ("train.scheduler", t.scheduler)):
         issues.extend(check_target(key, spec))
     return issues
@@ -322,37 +258,6 @@ def check_target(key: str, spec: dict | None) -> list[ConfigIssue]:
     return []
 
 
-def check_data(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
-    d, m = recipe.data, recipe.model
-    issues = []
-    if d.kind == "synthetic":
-        if d.seq_len < 8:
-            issues.append(ConfigIssue("data.seq_len", f"must be >= 8, got {d.seq_len}"))
-        if not 1 <= d.min_doc_tokens <= d.max_doc_tokens:
-            issues.append(
-                ConfigIssue(
-                    "data.min_doc_tokens",
-                    f"need 1 <= min_doc_tokens ({d.min_doc_tokens}) <= max_doc_tokens ({d.max_doc_tokens})",
-                )
-            )
-        if m.vocab_size < 8:
-            issues.append(ConfigIssue("model.vocab_size", f"synthetic tasks need vocab_size >= 8, got {m.vocab_size}"))
-        if not d.fixed_length and (d.pad_multiple < 1 or d.seq_len % d.pad_multiple != 0):
-            issues.append(
-                ConfigIssue("data.pad_multiple", f"{d.pad_multiple} must be >= 1 and divide seq_len={d.seq_len}")
-            )
-    elif d.kind == "medpix":
-        if m.family != "qwen3_5_moe":
-            issues.append(
-                ConfigIssue(
-                    "data.kind", f"medpix is a vision-language dataset; model.family {m.family!r} has no vision"
-                )
-            )
-        if not d.path:
-            issues.append(ConfigIssue("data.path", "medpix needs a local path or HF dataset id"))
-    return issues
-
-
 def check_activation_checkpointing(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
     ac, comp = recipe.activation_checkpointing, recipe.compile
     issues = []
@@ -362,12 +267,23 @@ def check_activation_checkpointing(recipe: RecipeConfig, world_size: int) -> lis
         issues.append(
             ConfigIssue("activation_checkpointing.placement", "'outside' needs mode full or selective, mode is none")
         )
-    if ac.offload:
+    if ac.offload and ac.mode == "selective":
         issues.append(
             ConfigIssue(
                 "activation_checkpointing.offload",
-                "CPU offload of saved activations is not available yet (it would be ignored, not applied); set "
-                "activation_checkpointing.offload=false and use mode: selective or full to save memory",
+                "true with mode: selective would offload only the block inputs: selective AC keeps the op outputs "
+                "its policy saves in torch's SAC cache, which saved-tensor hooks never see, so they would stay on "
+                "the device. Use activation_checkpointing.mode: full (offload moves the one activation per block "
+                "full AC keeps) or mode: none (offload moves everything a block saves), or offload: false",
+            )
+        )
+    if ac.offload and comp.enabled:
+        issues.append(
+            ConfigIssue(
+                "activation_checkpointing.offload",
+                "true with compile.enabled: compiled blocks save their activations inside the compiled autograd "
+                "function, and offloading them through saved-tensor hooks is not verified with torch.compile in "
+                "nemo_ac; set compile.enabled=false or activation_checkpointing.offload=false",
             )
         )
     return issues
@@ -439,15 +355,6 @@ def check_compile(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
     return issues
 
 
-def check_freeze(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
-    f, m = recipe.train.freeze, recipe.model
-    if f.vision_tower and (m.family != "qwen3_5_moe" or m.vision.depth == 0):
-        return [ConfigIssue("train.freeze.vision_tower", f"model has no vision tower (family {m.family})")]
-    if f.embeddings and f.language_model and not (m.family == "qwen3_5_moe" and m.vision.depth > 0):
-        return [ConfigIssue("train.freeze.language_model", "freezing everything leaves nothing to train")]
-    return []
-
-
 def check_dist(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
     d, b = recipe.dist, recipe.backend
     issues = []
@@ -469,14 +376,6 @@ def check_checkpoint(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]
         issues.append(ConfigIssue("checkpoint.keep_last", f"must be >= 1, got {c.keep_last}"))
     if c.resume not in ("none", "auto") and not c.resume.strip():
         issues.append(ConfigIssue("checkpoint.resume", "use none, auto or a step_<N> directory"))
-    if c.export_hf:
-        issues.append(
-            ConfigIssue(
-                "checkpoint.export_hf",
-                "HF-layout safetensors export is not available yet (it lands with the HF weight-mapping issue); "
-                "set checkpoint.export_hf=false (DCP checkpoints under checkpoint.dir are written either way)",
-            )
-        )
     return issues
 
 
@@ -484,10 +383,12 @@ RULES: list[Rule] = [
     check_parallel_sizes,
     check_experts,
     check_model_shape,
+    check_model_family,
     check_context_parallel,
     check_batching,
     check_training,
     check_data,
+    check_vision_language,
     check_activation_checkpointing,
     check_compile,
     check_freeze,
@@ -511,48 +412,3 @@ def validate_recipe(recipe: RecipeConfig, *, world_size: int, source: str | None
         cp=par.cp,
         ep=par.ep,
     )
-
-
-# --------------------------------------------------------------------------------------------------------------
-# environment (optional extras)
-
-_EXTRAS = {
-    ("backend.dispatcher", "deepep"): ("deep_ep", "deepep"),
-    ("backend.attention", "te"): ("transformer_engine", "te"),
-    ("backend.linear", "te"): ("transformer_engine", "te"),
-    ("backend.rms_norm", "te"): ("transformer_engine", "te"),
-}
-
-
-def check_environment(recipe: RecipeConfig, *, cuda_available: bool | None = None) -> list[ConfigIssue]:
-    """Optional extras and devices the recipe needs but this machine lacks (empty list: all present)."""
-    issues = []
-    values = {
-        "backend.dispatcher": recipe.backend.dispatcher,
-        "backend.attention": recipe.backend.attention,
-        "backend.linear": recipe.backend.linear,
-        "backend.rms_norm": recipe.backend.rms_norm,
-    }
-    for (key, value), (module, extra) in _EXTRAS.items():
-        if values[key] == value and importlib.util.find_spec(module) is None:
-            issues.append(
-                ConfigIssue(
-                    key,
-                    f"{value!r} needs the optional package '{module}', which is not installed: "
-                    f"pip install 'nemo_ac[{extra}]' on a CUDA machine, or set {key}: "
-                    f"{'torch' if key != 'backend.attention' else 'sdpa'}",
-                )
-            )
-    if recipe.model.pretrained and importlib.util.find_spec("safetensors") is None:
-        issues.append(
-            ConfigIssue("model.pretrained", "loading HF weights needs 'safetensors': pip install 'nemo_ac[hf]'")
-        )
-    needs_cuda = values["backend.dispatcher"] == "deepep" or "te" in values.values() or recipe.dist.backend == "nccl"
-    if needs_cuda and cuda_available is False:
-        issues.append(
-            ConfigIssue(
-                "backend" if recipe.dist.backend != "nccl" else "dist.backend",
-                "this recipe needs CUDA (deepep / te / nccl) but no GPU is visible",
-            )
-        )
-    return issues

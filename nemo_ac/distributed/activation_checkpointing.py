@@ -38,7 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from nemo_ac.config.schema import ActivationCheckpointingConfig, MoEConfig, SelectiveACConfig
 from nemo_ac.diagnostics.sac_explain import DecisionLog, explain_sac_desync
-from nemo_ac.distributed.blocks import decoder_layers, holds_nested_fsdp_unit
+from nemo_ac.distributed.blocks import decoder_layers, decoder_layers_path, holds_nested_fsdp_unit, vision_blocks
 from nemo_ac.distributed.sac_compat import (
     ensure_profiler_ops_sac_ignored,
     fsdp_hook_running,
@@ -341,13 +341,23 @@ def make_selective_checkpoint_context_fn(
 
     def context_fn() -> tuple[AbstractContextManager, AbstractContextManager]:
         policy = SelectivePolicy(rules=rules, region=region, log=log)
-        caching, cached = create_selective_checkpoint_contexts(policy)
-        return (
-            _as_region_mode(caching, _RegionCachingMixin),
-            _as_region_mode(cached, _RegionCachedMixin, _nemo_region=region, _nemo_workarounds=workarounds),
-        )
+        return selective_region_modes(policy, region=region, workarounds=workarounds)
 
     return context_fn
+
+
+def selective_region_modes(
+    policy: Callable[..., Any] | Sequence[Any], *, region: str = "", workarounds: bool = True
+) -> tuple[AbstractContextManager, AbstractContextManager]:
+    """torch's SAC mode pair for ``policy`` (a policy function or a list of ops to save, as
+    ``create_selective_checkpoint_contexts`` takes), as nemo_ac's region modes: FSDP2 hook ops (``sac_compat``
+    brackets) and compiled regions pass through, and a storage error is re-raised as ``SACDesyncError`` naming
+    ``region``. Public so trainers with their own policy get the same modes (``nemo_ac.compat``)."""
+    caching, cached = create_selective_checkpoint_contexts(policy)
+    return (
+        _as_region_mode(caching, _RegionCachingMixin),
+        _as_region_mode(cached, _RegionCachedMixin, _nemo_region=region, _nemo_workarounds=workarounds),
+    )
 
 
 def make_moe_block_context_fn(
@@ -380,12 +390,18 @@ def wrap_block(block: nn.Module, *, context_fns: Sequence[ContextFn]) -> nn.Modu
 
 
 def block_context_fns(
-    block: nn.Module, *, index: int, config: ActivationCheckpointingConfig, moe: MoEConfig | None
+    block: nn.Module,
+    *,
+    index: int,
+    config: ActivationCheckpointingConfig,
+    moe: MoEConfig | None,
+    prefix: str = "model.layers",
 ) -> list[ContextFn]:
-    """The mode's own recompute context for one block (empty for full AC)."""
+    """The mode's own recompute context for one block (empty for full AC); ``prefix.index`` names the region in
+    SAC desync errors."""
     if config.mode != "selective":
         return []
-    region = f"model.layers.{index}"
+    region = f"{prefix}.{index}"
     if moe is not None and holds_nested_fsdp_unit(block, moe=moe):
         return [make_moe_block_context_fn(config=config.selective, region=region, workarounds=config.workarounds)]
     return [
@@ -410,10 +426,16 @@ def apply_ac(
     if config.mode == "none":
         return
     layers = decoder_layers(model)
+    prefix = decoder_layers_path(model)
     for index, block in enumerate(layers):
-        own = block_context_fns(block, index=index, config=config, moe=moe)
+        own = block_context_fns(block, index=index, config=config, moe=moe, prefix=prefix)
         extra = extra_context_fns(index, block) if callable(extra_context_fns) else extra_context_fns
         layers[index] = wrap_block(block, context_fns=[*own, *extra])
+    # Vision blocks: the mode's own context only (they are never compiled, so no compile recompute context).
+    visual = vision_blocks(model)
+    for index, block in enumerate(visual or []):
+        own = block_context_fns(block, index=index, config=config, moe=None, prefix="model.visual.blocks")
+        visual[index] = wrap_block(block, context_fns=own)
 
 
 def install_sac_fsdp_workarounds(model: nn.Module, *, config: ActivationCheckpointingConfig) -> int:

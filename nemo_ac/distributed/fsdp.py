@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from nemo_ac.config.schema import FSDPConfig, MoEConfig
-from nemo_ac.distributed.blocks import decoder_layers, nested_fsdp_units, unwrap_block
+from nemo_ac.distributed.blocks import decoder_layers, nested_fsdp_units, unwrap_block, vision_blocks
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,6 +62,13 @@ def apply_fsdp(
     units: list[FSDPModule] = []
     block_units: list[FSDPModule] = []
     nested_by_block: list[list[FSDPModule]] = []
+    # Vision blocks (VL families) are units of their own, like decoder blocks: the tower's weights are gathered
+    # one block at a time, and a frozen tower's units have no gradients, so FSDP reduces nothing for them.
+    for block in vision_blocks(model) or []:
+        target = unwrap_block(block) if shard_inner_block else block
+        units.append(
+            fully_shard(target, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward)
+        )
     for block in decoder_layers(model):
         nested: list[FSDPModule] = []
         for unit in nested_fsdp_units(block, moe=moe):
@@ -87,6 +94,10 @@ def apply_fsdp(
         nested_by_block.append(nested)
     root = fully_shard(model, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False)
     units.append(root)
+    if callable(getattr(model, "embed_inputs", None)):
+        # Vision-language models embed the full micro batch (vision tower + token table) before the sequence is
+        # sharded for context parallel: the root unit must unshard for that method as for forward.
+        register_fsdp_forward_method(model, "embed_inputs")
     for unit in units:
         # Plain SUM collectives (no PREMUL_SUM, which gloo lacks; no AVG): the loss is already normalized.
         unit.set_gradient_divide_factor(1.0)

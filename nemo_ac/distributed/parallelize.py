@@ -1,4 +1,4 @@
-"""The parallelization recipe: EP -> CP -> AC -> compile -> FSDP, each step one function."""
+"""The parallelization recipe: EP -> CP -> AC (+ activation offloading) -> compile -> FSDP, each step one function."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ from nemo_ac.config.schema import (
     ParallelConfig,
 )
 from nemo_ac.distributed.activation_checkpointing import apply_ac, install_sac_fsdp_workarounds
+from nemo_ac.distributed.blocks import decoder_layers
 from nemo_ac.distributed.compile import apply_compile, plan_layouts, recompute_context_fns
 from nemo_ac.distributed.context_parallel import apply_cp
 from nemo_ac.distributed.expert_parallel import apply_ep
 from nemo_ac.distributed.fsdp import apply_fsdp
 from nemo_ac.distributed.mesh import ParallelMeshes
+from nemo_ac.distributed.offload import apply_offload
+from nemo_ac.models.common.te_backend import apply_te_backends
 
 
 def parallelize(
@@ -30,6 +33,8 @@ def parallelize(
     backend: BackendConfig,
 ) -> nn.Module:
     """Apply every parallelism to a meta-device model in place (weights are materialized afterwards)."""
+    # Kernel backends first (backend.*: te swaps Transformer Engine modules into the blocks; torch: nothing).
+    apply_te_backends(decoder_layers(model), backend=backend)
     apply_ep(model, ep_mesh=meshes.ep_mesh, dispatcher=backend.dispatcher, moe=model_config.moe)
     apply_cp(model, cp_mesh=meshes.cp, cp_type=parallel.cp_type)
     # Compile layouts are decided per block before AC wraps it: only AC(compile(block)) gets the forward-thread
@@ -43,6 +48,8 @@ def parallelize(
         extra_context_fns=recompute_context_fns(compile, layouts=layouts),
         moe=model_config.moe,
     )
+    # On the AC wrapper (outside the checkpoint), so it sees the block inputs full AC saves (offload.py).
+    apply_offload(model, enabled=activation_checkpointing.offload)
     apply_compile(model, config=compile, layouts=layouts)
     apply_fsdp(
         model,

@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 # The three profiler ops FSDP2's ``record_function`` dispatches on torch 2.13 (all overloads are added).
@@ -117,6 +118,18 @@ def ensure_profiler_ops_sac_ignored(*, torch_version: str | None = None) -> tupl
     added = tuple(op for op in profiler_op_overloads() if op not in ignored)
     ignored.update(added)
     return added
+
+
+# torch's own ignore set as this process found it when nemo_ac was imported (read, never written), so that an
+# upstream fix can be told apart from nemo_ac's own addition (``nemo-ac doctor``, ``nemo_ac.compat.status``).
+_IGNORED_AT_IMPORT = frozenset(getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", None) or ())
+
+
+def profiler_ops_ignored_upstream() -> bool:
+    """True when every profiler-op overload was already in ``SAC_IGNORED_OPS`` before nemo_ac touched it (a torch
+    that fixed the desync itself, or another library that applied the same ignore first)."""
+    overloads = profiler_op_overloads()
+    return bool(overloads) and all(op in _IGNORED_AT_IMPORT for op in overloads)
 
 
 # ------------------------------------------------------------------------------------------------------------

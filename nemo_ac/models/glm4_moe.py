@@ -16,15 +16,12 @@ aux loss by ``nemo_ac.models.expert_bias.update_expert_bias``. Layers follow ``q
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from nemo_ac.config.families import glm4_moe_problems
 from nemo_ac.config.schema import ModelConfig, MoEConfig
-from nemo_ac.models.common.attention import Attention
+from nemo_ac.models import qwen3_moe
 from nemo_ac.models.common.mlp import MLP
 from nemo_ac.models.common.moe import MoE
-from nemo_ac.models.common.rmsnorm import RMSNorm
-from nemo_ac.models.common.rope import RotaryEmbedding
-from nemo_ac.models.interfaces import AttentionInputs, ModelOutput, RouterStats
 
 
 class Glm4MoeMoE(MoE):
@@ -40,105 +37,33 @@ class Glm4MoeMoE(MoE):
         return self.shared_experts(flat) if self.shared_experts is not None else None
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``; dense MLP below first_k_dense_replace."""
+class DecoderLayer(qwen3_moe.DecoderLayer):
+    """Qwen3-MoE's pre-norm block with GLM's MoE (shared experts) and no o_proj bias; dense below
+    ``first_k_dense_replace``."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.is_moe = layer_idx >= cfg.first_k_dense_replace
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            qk_norm=cfg.qk_norm,
-            attention_bias=cfg.attention_bias,
-            rms_norm_eps=cfg.rms_norm_eps,
-            o_proj_bias=False,
-        )
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = (
-            Glm4MoeMoE(cfg.hidden_size, cfg.moe) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
-        )
-
-    def forward(
-        self, hidden: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionInputs
-    ) -> tuple[torch.Tensor, RouterStats | None]:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope=rope, attn=attn)
-        mlp_in = self.post_attention_layernorm(hidden)
-        if self.is_moe:
-            mlp_out, stats = self.mlp(mlp_in)
-            return hidden + mlp_out, stats
-        return hidden + self.mlp(mlp_in), None
+    moe_class = Glm4MoeMoE
+    o_proj_bias = False
 
 
-class Glm4MoeModel(nn.Module):
+class Glm4MoeModel(qwen3_moe.Qwen3MoeModel):
     """Embedding, decoder layers, final norm; rotary embedding over ``partial_rotary_factor`` of each head."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.partial_rotary_factor)
-
-    def forward(
-        self, input_ids: torch.Tensor, *, position_ids: torch.Tensor, attn: AttentionInputs
-    ) -> tuple[torch.Tensor, list[RouterStats]]:
-        hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(position_ids, dtype=hidden.dtype)
-        router_stats: list[RouterStats] = []
-        for layer in self.layers:
-            hidden, stats = layer(hidden, rope=rope, attn=attn)
-            if stats is not None:
-                router_stats.append(stats)
-        return self.norm(hidden), router_stats
+    layer_class = DecoderLayer
 
 
-class Glm4MoeForCausalLM(nn.Module):
+class Glm4MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
     """Causal LM head over ``Glm4MoeModel``. ``self.config`` is the ``ModelConfig`` it was built from."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = Glm4MoeModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the output projection (call again after ``to_empty``)."""
-        self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor, attn: AttentionInputs) -> ModelOutput:
-        hidden, router_stats = self.model(input_ids, position_ids=position_ids, attn=attn)
-        return ModelOutput(logits=self.lm_head(hidden), router_stats=router_stats)
+    model_class = Glm4MoeModel
 
 
 def check_glm4_moe_config(cfg: ModelConfig) -> list[str]:
     """What in ``cfg`` this family cannot build, as ``model.<key>=<value> (reason)`` strings (empty: fine).
 
-    GLM's router is always sigmoid with a score-correction bias (transformers has no other mode), so a config that
-    says otherwise is an error rather than silently overridden; options of other families are rejected too.
+    The rules live in ``nemo_ac.config.families`` (torch-free), so recipe validation rejects the same settings
+    before any process group starts; here they guard direct ``build_model`` calls.
     """
-    moe = cfg.moe
-    needs = {
-        "moe.score_func": (moe.score_func, "sigmoid"),
-        "moe.score_correction_bias": (moe.score_correction_bias, True),
-        "moe.activation": (moe.activation, "silu"),
-    }
-    bad = [f"model.{k}={got!r} (needs {want!r})" for k, (got, want) in needs.items() if got != want]
-    unsupported = {
-        "attn_output_gate": cfg.attn_output_gate,
-        "layer_pattern": cfg.layer_pattern,
-        "moe.latent_size": moe.latent_size,
-        "moe.shared_expert_gate": moe.shared_expert_gate,
-        "mlp_bias": cfg.mlp_bias,
-    }
-    bad += [f"model.{k}={v!r} (not in glm4_moe)" for k, v in unsupported.items() if v]
-    return bad
+    return [problem.describe() for problem in glm4_moe_problems(cfg)]
 
 
 def build_glm4_moe(cfg: ModelConfig) -> Glm4MoeForCausalLM:

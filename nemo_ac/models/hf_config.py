@@ -401,3 +401,6 @@ register_hf_family(
         ignore_key=_nemotron_ignores,
     )
 )
+
+# Families whose mapping lives in its own module register themselves on import (after everything above exists).
+from nemo_ac.models import hf_qwen3_5_moe  # noqa: E402, F401

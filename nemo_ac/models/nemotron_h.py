@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nemo_ac.config.families import nemotron_h_problems
 from nemo_ac.config.schema import ModelConfig, MoEConfig
 from nemo_ac.models.common.attention import Attention
 from nemo_ac.models.common.experts import GroupedExperts
@@ -157,28 +158,18 @@ class NemotronHForCausalLM(nn.Module):
 
 
 def check_nemotron_h_config(cfg: ModelConfig) -> list[str]:
-    """What in ``cfg`` this family cannot build, as ``model.<key>=<value> (reason)`` strings (empty: fine)."""
-    moe = cfg.moe
+    """What in ``cfg`` this family cannot build, as ``model.<key>=<value> (reason)`` strings (empty: fine).
+
+    The layer pattern is checked here (its characters index ``BLOCK_TYPES``); every other rule lives in
+    ``nemo_ac.config.families`` (torch-free) so recipe validation rejects it before any process group starts.
+    """
     bad = []
     pattern = cfg.layer_pattern
-    if not pattern or set(pattern) - set(BLOCK_TYPES):
+    if pattern and set(pattern) - set(BLOCK_TYPES):
         bad.append(f"model.layer_pattern={pattern!r} (needs characters from {''.join(BLOCK_TYPES)})")
-    elif len(pattern) != cfg.num_layers:
+    elif pattern and len(pattern) != cfg.num_layers:
         bad.append(f"model.layer_pattern has {len(pattern)} layers (model.num_layers={cfg.num_layers})")
-    needs = {
-        "moe.score_func": (moe.score_func, "sigmoid"),
-        "moe.score_correction_bias": (moe.score_correction_bias, True),
-        "moe.activation": (moe.activation, "relu2"),
-        "qk_norm": (cfg.qk_norm, False),
-        "attention_bias": (cfg.attention_bias, False),
-        "first_k_dense_replace": (cfg.first_k_dense_replace, 0),
-        "attn_output_gate": (cfg.attn_output_gate, False),
-        "moe.shared_expert_gate": (moe.shared_expert_gate, False),
-    }
-    bad += [f"model.{k}={got!r} (needs {want!r})" for k, (got, want) in needs.items() if got != want]
-    if "E" in pattern and moe.shared_expert_intermediate_size <= 0:
-        bad.append("model.moe.shared_expert_intermediate_size=0 (Nemotron-H MoE layers always have shared experts)")
-    return bad
+    return bad + [problem.describe() for problem in nemotron_h_problems(cfg)]
 
 
 def build_nemotron_h(cfg: ModelConfig) -> NemotronHForCausalLM:

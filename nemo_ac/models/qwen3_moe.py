@@ -23,7 +23,13 @@ from nemo_ac.models.interfaces import AttentionInputs, ModelOutput, RouterStats
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``; mlp is MoE unless ``layer_idx`` is dense."""
+    """Pre-norm block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``; mlp is MoE unless ``layer_idx`` is dense.
+
+    Families with the same block shape subclass it and set ``moe_class`` / ``o_proj_bias`` (GLM-4.5)."""
+
+    moe_class: type[MoE] = MoE
+    # None: o_proj has a bias exactly when q/k/v do (``attention_bias``).
+    o_proj_bias: bool | None = None
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -38,10 +44,11 @@ class DecoderLayer(nn.Module):
             qk_norm=cfg.qk_norm,
             attention_bias=cfg.attention_bias,
             rms_norm_eps=cfg.rms_norm_eps,
+            o_proj_bias=self.o_proj_bias,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = (
-            MoE(cfg.hidden_size, cfg.moe) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+            self.moe_class(cfg.hidden_size, cfg.moe) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         )
 
     def forward(
@@ -58,10 +65,12 @@ class DecoderLayer(nn.Module):
 class Qwen3MoeModel(nn.Module):
     """Embedding, decoder layers, final norm. Returns the final hidden states and per-MoE-layer router stats."""
 
+    layer_class: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.partial_rotary_factor)
 
@@ -81,10 +90,12 @@ class Qwen3MoeModel(nn.Module):
 class Qwen3MoeForCausalLM(nn.Module):
     """Causal LM head over ``Qwen3MoeModel``. ``self.config`` is the ``ModelConfig`` it was built from."""
 
+    model_class: type[Qwen3MoeModel] = Qwen3MoeModel
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Qwen3MoeModel(cfg)
+        self.model = self.model_class(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.tie_weights()

@@ -26,10 +26,21 @@ from nemo_ac.trainer.optim import clip_grad_norm_
 
 @dataclass
 class PreparedBatch:
-    """Model keyword inputs and labels for this rank (already sharded for context parallel)."""
+    """Model keyword inputs and labels for this rank (already sharded for context parallel).
+
+    embed: vision-language batches under context parallel. ``embed(model)`` runs the model's full-sequence
+    embedding (vision tower + token table) and returns this rank's shard of the decoder inputs, merged into
+    ``model_inputs`` by ``inputs_for``. It is deferred to the micro batch's own forward so that only one micro
+    batch's vision activations are alive at a time and FSDP sees embed, forward and backward in order.
+    """
 
     model_inputs: dict[str, Any]
     labels: torch.Tensor
+    embed: Callable[[nn.Module], dict[str, Any]] | None = None
+
+    def inputs_for(self, model: nn.Module) -> dict[str, Any]:
+        """Keyword inputs of ``model``'s forward for this micro batch (runs ``embed`` when there is one)."""
+        return self.model_inputs if self.embed is None else {**self.model_inputs, **self.embed(model)}
 
 
 class StepBatches(Protocol):
@@ -124,7 +135,7 @@ class Trainer:
         aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
         expert_load = None
         for batch in prepared:
-            output = self.model(**batch.model_inputs)
+            output = self.model(**batch.inputs_for(self.model))
             parts = compute_loss(
                 output,
                 batch.labels,

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from nemo_ac.config import load_recipe, to_dict, validate_recipe
@@ -35,14 +34,7 @@ TINY = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
 SMALL = ["data.seq_len=40", "train.global_batch_size=2", "train.micro_batch_size=2", "train.steps=4"]
 CPU = torch.device("cpu")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world")
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from nemo_ac.config import ConfigError, load_recipe, validate_recipe
@@ -106,15 +105,6 @@ def test_validation_rejects_the_silent_eager_layouts_before_any_process_group():
 
 # ------------------------------------------------------------------------------------------------------------
 # the eager fallback, observed
-
-
-@pytest.fixture(scope="module")
-def world():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from nemo_ac.distributed.compile import (
     forward_thread_compile_context,
     use_compile_settings,
 )
+from nemo_ac.doctor.isolation import on_thread, other_num_threads
 
 DEFAULT_LIMIT = 8  # torch._dynamo.config.recompile_limit's default (2.12 - 2.13)
 SAC_REPLAY_FAILURE = re.compile(r"Recomputed values for the following tensors|not found in storage")
@@ -40,33 +40,6 @@ def fresh_dynamo():
     yield
     torch._dynamo.reset()
     counters.clear()
-
-
-def on_thread(fn, *, num_threads: int | None = None):
-    """Run ``fn`` on a new thread (optionally with its own intra-op thread count); re-raise its exception."""
-    result: dict = {}
-
-    def work() -> None:
-        prior = torch.get_num_threads()
-        try:
-            if num_threads is not None:
-                torch.set_num_threads(num_threads)
-            result["value"] = fn()
-        except BaseException as exc:
-            result["error"] = exc
-        finally:
-            torch.set_num_threads(prior)  # it also seeds later threads' count
-
-    worker = threading.Thread(target=work, name="test-backward")
-    worker.start()
-    worker.join()
-    if "error" in result:
-        raise result["error"]
-    return result.get("value")
-
-
-def other_num_threads() -> int:
-    return 1 if torch.get_num_threads() != 1 else 2
 
 
 def test_a_new_thread_sees_dynamo_defaults_after_the_main_thread_changed_them():

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nemo_ac.config import ConfigError, load_recipe, validate_recipe
-from nemo_ac.config.validate import check_environment
+from nemo_ac.config.environment import check_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"

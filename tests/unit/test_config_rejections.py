@@ -69,7 +69,8 @@ ROWS = [
         "check_parallel_sizes",
         ["parallel.dp_shard=2", "parallel.cp=2"],
         "parallel",
-        r"dp_replicate\*dp_shard\*cp = 1\*2\*2 = 4 must equal the world size 2; set parallel.dp_shard=-1",
+        r"dp_replicate\*dp_shard\*cp = 1\*2\*2 = 4 must equal the world size 2: launch 4 processes for this layout, or "
+        r"set parallel.dp_shard=-1",
     ),
     row(
         "check_parallel_sizes",
@@ -119,6 +120,19 @@ ROWS = [
         ["parallel.ep=2", "model.moe.separate_fsdp_unit=false"],
         "model.moe.separate_fsdp_unit",
         r"expert parallel shards experts on their own mesh; they must be a separate FSDP unit \(set true\)",
+    ),
+    row(
+        "check_experts",
+        ["model.moe.bias_update_rate=-0.1"],
+        "model.moe.bias_update_rate",
+        r"must be >= 0 \(0 disables\), got -0.1",
+    ),
+    row(
+        "check_experts",
+        ["model.moe.bias_update_rate=0.001"],
+        "model.moe.bias_update_rate",
+        r"0.001 updates each router's e_score_correction_bias, but model.moe.score_correction_bias is false",
+        id="bias_without_bias",
     ),
     # check_model_shape
     *[
@@ -171,6 +185,38 @@ ROWS = [
         r"has 3 layers but model.num_layers=2",
         id="length",
     ),
+    # check_model_family
+    row(
+        "check_model_family",
+        ["model.family=glm4_moe"],
+        "model.moe.score_func",
+        r"'softmax': family glm4_moe: transformers' Glm4Moe router/experts have no other mode; set "
+        r"model.moe.score_func: sigmoid",
+    ),
+    row(
+        "check_model_family",
+        ["model.family=glm4_moe", "model.moe.latent_size=8"],
+        "model.moe.latent_size",
+        r"8: not in glm4_moe; remove it",
+    ),
+    row(
+        "check_model_family",
+        ["model.family=nemotron_h"],
+        "model.layer_pattern",
+        r"family nemotron_h needs its hybrid_override_pattern",
+    ),
+    row(
+        "check_model_family",
+        ["model.family=nemotron_h", "model.layer_pattern=ME"],
+        "model.qk_norm",
+        r"True: family nemotron_h: transformers' NemotronH has no other mode; set model.qk_norm: False",
+    ),
+    row(
+        "check_model_family",
+        ["model.family=nemotron_h", "model.layer_pattern=ME", "model.moe.shared_expert_intermediate_size=0"],
+        "model.moe.shared_expert_intermediate_size",
+        r"Nemotron-H MoE layers always have shared experts",
+    ),
     # check_context_parallel
     row(
         "check_context_parallel",
@@ -189,6 +235,12 @@ ROWS = [
     ),
     row(
         "check_context_parallel",
+        ["parallel.cp=2", "parallel.cp_type=ring", "backend.attention=te"],
+        "backend.attention",
+        r"te is not used under cp_type: ring \(the ring computes attention itself",
+    ),
+    row(
+        "check_context_parallel",
         ["parallel.cp=2", "parallel.cp_type=ring", "model.family=nemotron_h"],
         "parallel.cp_type",
         r"ring CP passes K/V blocks of softmax attention; family nemotron_h .* Use cp_type: ulysses",
@@ -202,8 +254,21 @@ ROWS = [
             "model.linear_attention.num_value_heads=6",
         ],
         "parallel.cp",
-        r"ulysses CP splits Gated DeltaNet heads: model.linear_attention.num_key_heads=3 must be divisible by cp=2",
+        r"ulysses CP splits Gated DeltaNet heads: model.linear_attention.num_key_heads=3 and num_value_heads=6 must "
+        r"both be divisible by cp=2",
         id="ulysses_linear_attention_heads",
+    ),
+    row(
+        "check_context_parallel",
+        [
+            "parallel.cp=2",
+            "model.family=qwen3_5_moe",
+            "model.linear_attention.num_key_heads=1",
+            "model.linear_attention.num_value_heads=3",
+        ],
+        "parallel.cp",
+        r"num_key_heads=1 and num_value_heads=3 must both be divisible by cp=2",
+        id="ulysses_linear_attention_value_heads",
     ),
     row(
         "check_context_parallel",
@@ -260,12 +325,26 @@ ROWS = [
         r"6 must be divisible by dp\*micro_batch_size = 2\*2 \(dp = dp_replicate\*dp_shard at world size 2\)",
     ),
     # check_training
-    row("check_training", ["train.steps=0", "train.warmup_steps=0"], "train.steps", r"must be >= 1, got 0"),
-    row("check_training", ["train.lr=0"], "train.lr", r"must be > 0, got 0.0"),
+    row("check_training", ["train.steps=-1"], "train.steps", r"must be >= 0, got -1"),
+    row(
+        "check_training",
+        ["train.steps=0"],
+        "train.steps",
+        r"0 trains nothing; it only converts weights .* with checkpoint.export_hf=true",
+        id="zero_steps",
+    ),
+    row("check_training", ["train.lr=0"], "train.lr", r"must be a finite number > 0, got 0.0"),
+    row("check_training", ["train.lr=.nan"], "train.lr", r"must be a finite number > 0, got nan"),
+    row("check_training", ["train.lr=.inf"], "train.lr", r"must be a finite number > 0, got inf"),
     row("check_training", ["train.warmup_steps=50"], "train.warmup_steps", r"50 must be in \[0, train.steps=40\]"),
     row("check_training", ["train.betas=[0.9]"], "train.betas", r"\[0.9\] must be two numbers in \[0, 1\)"),
     row("check_training", ["train.betas=[0.9,1.0]"], "train.betas", r"must be two numbers in \[0, 1\)", id="beta_one"),
-    row("check_training", ["train.grad_clip=-1"], "train.grad_clip", r"must be >= 0 \(0 disables\), got -1.0"),
+    row(
+        "check_training",
+        ["train.grad_clip=-1"],
+        "train.grad_clip",
+        r"must be a finite number >= 0 \(0 disables\), got -1.0",
+    ),
     row(
         "check_training",
         ["+train.optimizer.lr=0.1"],
@@ -308,6 +387,61 @@ ROWS = [
         r"medpix is a vision-language dataset; model.family 'qwen3_moe' has no vision",
     ),
     row("check_data", [*MEDPIX[:2]], "data.path", r"medpix needs a local path or HF dataset id"),
+    row(
+        "check_data",
+        [*MEDPIX],
+        "model.vocab_size",
+        r"64 is smaller than the tiny MedPix tokenizer's 262 ids \(data.tokenizer: tiny\); set model.vocab_size >= 262",
+    ),
+    row(
+        "check_data",
+        [*MEDPIX, "model.vision.image_token_id=5"],
+        "model.vision.image_token_id",
+        r"token ids \(5, 1, 2\) differ from the tiny MedPix tokenizer's \(3, 1, 2\); set model.vision.image_token_id: 3",
+    ),
+    # check_vision_language
+    row(
+        "check_vision_language",
+        ["model.family=qwen3_5_moe", "model.mrope_section=[2,1,1]"],
+        "model.mrope_section",
+        r"\[2, 1, 1\] must be 3 numbers \(temporal, height, width\) summing to rotary_dim/2 = 8",
+        id="mrope_sum",
+    ),
+    row(
+        "check_vision_language",
+        ["model.family=qwen3_5_moe", "model.vision.depth=1"],
+        "model.mrope_section",
+        r"is required with a vision tower \(model.vision.depth=1\)",
+        id="mrope_required",
+    ),
+    row(
+        "check_vision_language",
+        [
+            "model.family=qwen3_5_moe",
+            "model.vision.depth=1",
+            "model.mrope_section=[4,2,2]",
+            "model.vision.hidden_size=30",
+        ],
+        "model.vision.hidden_size",
+        r"30 / num_heads 2 must be a whole head size that is a multiple of 4",
+    ),
+    row(
+        "check_vision_language",
+        [
+            "model.family=qwen3_5_moe",
+            "model.vision.depth=1",
+            "model.mrope_section=[4,2,2]",
+            "model.vision.num_position_embeddings=15",
+        ],
+        "model.vision.num_position_embeddings",
+        r"15 must be a perfect square",
+    ),
+    row(
+        "check_vision_language",
+        [*MEDPIX],
+        "model.vision.depth",
+        r"0: data.kind medpix feeds images, which need a vision tower; set model.vision.depth >= 1",
+    ),
     # check_activation_checkpointing
     row(
         "check_activation_checkpointing",
@@ -325,7 +459,14 @@ ROWS = [
         "check_activation_checkpointing",
         ["activation_checkpointing.offload=true"],
         "activation_checkpointing.offload",
-        r"CPU offload of saved activations is not available yet .* set activation_checkpointing.offload=false",
+        r"true with mode: selective would offload only the block inputs: .* Use activation_checkpointing.mode: full",
+    ),
+    row(
+        "check_activation_checkpointing",
+        ["activation_checkpointing.offload=true", "activation_checkpointing.mode=full", "compile.enabled=true"],
+        "activation_checkpointing.offload",
+        r"true with compile.enabled: .* not verified with torch.compile in nemo_ac; set compile.enabled=false",
+        id="offload_compile",
     ),
     # check_compile
     row(
@@ -374,6 +515,27 @@ ROWS = [
         "train.freeze.language_model",
         r"freezing everything leaves nothing to train",
     ),
+    row(
+        "check_freeze",
+        ["train.freeze.vision_merger=true"],
+        "train.freeze.vision_merger",
+        r"model has no vision tower \(family qwen3_moe\)",
+    ),
+    row(
+        "check_freeze",
+        [
+            "model.family=qwen3_5_moe",
+            "model.vision.depth=1",
+            "model.mrope_section=[4,2,2]",
+            "train.freeze.vision_tower=true",
+            "train.freeze.vision_merger=true",
+            "train.freeze.embeddings=true",
+            "train.freeze.language_model=true",
+        ],
+        "train.freeze.language_model",
+        r"freezing everything leaves nothing to train; leave at least one of train.freeze.\* false",
+        id="vision_language_all_frozen",
+    ),
     # check_dist
     row(
         "check_dist",
@@ -392,12 +554,6 @@ ROWS = [
     row("check_checkpoint", ["checkpoint.every_n_steps=-1"], "checkpoint.every_n_steps", r"must be >= 0, got -1"),
     row("check_checkpoint", ["checkpoint.keep_last=0"], "checkpoint.keep_last", r"must be >= 1, got 0"),
     row("check_checkpoint", ["checkpoint.resume=' '"], "checkpoint.resume", r"use none, auto or a step_<N> directory"),
-    row(
-        "check_checkpoint",
-        ["checkpoint.export_hf=true"],
-        "checkpoint.export_hf",
-        r"HF-layout safetensors export is not available yet .* set checkpoint.export_hf=false",
-    ),
 ]
 
 

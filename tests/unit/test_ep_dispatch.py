@@ -11,7 +11,6 @@ import importlib.util
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_ac.config import ConfigError
@@ -21,15 +20,6 @@ from nemo_ac.models.common.dispatch import LocalDispatcher
 from nemo_ac.models.common.experts import GroupedExperts
 
 H, INTER = 12, 6
-
-
-@pytest.fixture(scope="module")
-def world():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_source_major_to_expert_major_with_uneven_and_zero_counts() -> None:

@@ -41,7 +41,12 @@ def test_bad_mode_lists_the_choices():
         load_recipe(TINY, ["activation_checkpointing.mode=sac"])
 
 
-def test_offload_is_rejected_until_it_exists():
-    recipe = load_recipe(TINY, ["activation_checkpointing.offload=true"])
-    with pytest.raises(ConfigError, match=r"activation_checkpointing\.offload: .*offload=false"):
+def test_offload_needs_full_or_no_checkpointing():
+    """Selective AC keeps its saved op outputs in torch's SAC cache, out of reach of saved-tensor hooks."""
+    recipe = load_recipe(TINY, ["activation_checkpointing.offload=true", "activation_checkpointing.mode=selective"])
+    with pytest.raises(ConfigError, match=r"activation_checkpointing\.offload: .*mode: full.*offload: false"):
         validate_recipe(recipe, world_size=2)
+    full = load_recipe(
+        TINY, ["activation_checkpointing.offload=true", "activation_checkpointing.mode=full", "compile.enabled=false"]
+    )
+    validate_recipe(full, world_size=2)

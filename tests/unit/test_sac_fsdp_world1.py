@@ -12,31 +12,27 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_ac.config import load_recipe, validate_recipe
 from nemo_ac.diagnostics.sac_explain import SACDesyncError
 from nemo_ac.distributed import activation_checkpointing as ac
-from nemo_ac.distributed.mesh import build_meshes
-from nemo_ac.distributed.parallelize import parallelize
 from nemo_ac.distributed.sac_compat import (
     ensure_profiler_ops_sac_ignored,
     fsdp_hook_running,
     install_fsdp_hooks_outside_sac,
     remove_fsdp_hooks_outside_sac,
 )
-from nemo_ac.models import build_model
+from nemo_ac.doctor.probes_sac import NestedUnitNet, shard_nested_unit_net
 from nemo_ac.models.init import canonical_name, materialize_and_init
+from nemo_ac.trainer.build import build_parallel_model
 from nemo_ac.trainer.loop import run_backward
 from tests.launch import RECIPES
 from tests.unit.test_sac_compat import PROFILER_OPS, private_sac_ignored_ops  # noqa: F401 (fixture)
 
 # Every test runs on a private copy of torch's SAC_IGNORED_OPS (the real set stays untouched).
-pytestmark = pytest.mark.usefixtures("private_sac_ignored_ops")
+pytestmark = pytest.mark.usefixtures("world", "private_sac_ignored_ops")
 
 DOCUMENTED = re.compile(
     r"profiler\._record_function_enter_new\.default invocation index \d+ encountered during backward "
@@ -44,51 +40,12 @@ DOCUMENTED = re.compile(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+def _sharded(context_fn=None) -> NestedUnitNet:
+    """The doctor's nested-unit model (nemo_ac.doctor.probes_sac): nested units, then the root, no block units."""
+    return shard_nested_unit_net(NestedUnitNet(num_blocks=2, context_fn=context_fn), device=torch.device("cpu"))
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(12, 12)
-        self.inner = nn.Linear(12, 12)  # the nested FSDP unit
-        self.b = nn.Linear(12, 12)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.inner(self.a(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, context_fn=None) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList([Block(), Block()])
-        self.context_fn = context_fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            if self.context_fn is None:
-                x = layer(x)
-            else:
-                x = torch_checkpoint.checkpoint(layer, x, use_reentrant=False, context_fn=self.context_fn)
-        return x
-
-
-def _sharded(context_fn=None) -> Net:
-    net = Net(context_fn)
-    for layer in net.layers:
-        fully_shard(layer.inner)
-    fully_shard(net)
-    return net
-
-
-def _grads(net: Net, *, on_thread: bool = False) -> dict[str, torch.Tensor]:
+def _grads(net: NestedUnitNet, *, on_thread: bool = False) -> dict[str, torch.Tensor]:
     x = torch.randn(5, 12, generator=torch.Generator().manual_seed(1))
     run_backward(net(x).square().mean(), on_thread=on_thread)
     return {name: p.grad.full_tensor().clone() for name, p in net.named_parameters()}
@@ -176,16 +133,7 @@ def test_brackets_enclose_exactly_fsdps_hooks():
 def _tiny_model(overrides: list[str]):
     recipe = load_recipe(str(RECIPES / "tiny" / "qwen3_moe_tiny.yaml"), ["data.seq_len=40", *overrides])
     layout = validate_recipe(recipe, world_size=1)
-    model = build_model(recipe.model)
-    parallelize(
-        model,
-        meshes=build_meshes(layout, device_type="cpu"),
-        model_config=recipe.model,
-        parallel=recipe.parallel,
-        activation_checkpointing=recipe.activation_checkpointing,
-        compile=recipe.compile,
-        backend=recipe.backend,
-    )
+    model, _ = build_parallel_model(recipe, layout, device=torch.device("cpu"))
     materialize_and_init(model, device="cpu", seed=3)
     return model
 

@@ -235,7 +235,7 @@ def main() -> int:
         if dist.get_rank() == 0:
             out_path.write_text(json.dumps({"torch": torch.__version__, "cells": cells}, indent=1))
     finally:
-        destroy_distributed()
+        destroy_distributed(synchronize=sys.exc_info()[0] is None)  # no barrier on an error path
     return 0
 
 

@@ -1,0 +1,165 @@
+"""Per-model and per-region helpers for FSDP2 trainers that do not use nemo_ac's trainer.
+
+They work with plain ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False, context_fn=...)`` and with
+torchtitan-style ``checkpoint_wrapper(module, context_fn=...)``:
+
+- ``selective_checkpoint_context_fn(policy)``: the SAC ``context_fn`` for your own policy (or nemo_ac's). Its modes
+  are torch's caching/cached pair, re-classed so that ops run by a protected FSDP2 unit's hooks pass through
+  (neither counted, cached nor replayed) and a storage error names the region (``SACDesyncError``).
+- ``protect_fsdp_units(model)``: after ``fully_shard``. With explicit prefetch (``set_modules_to_forward_prefetch``
+  / ``..._backward_prefetch``) a nested unit is all-gathered by its predecessor's hook outside the region in
+  forward but by its own hook inside it in recompute, so with the profiler ops ignored the backward still fails::
+
+      RuntimeError: fsdp.all_gather_copy_in.default encountered during backward but not found in storage
+
+  Ignoring FSDP's ops is not safe (its copy-out emits ``aten.copy_`` / ``split_with_sizes_copy`` that the model
+  emits too); instead the units' forward hooks are bracketed so FSDP's parameter management always runs for real.
+  Only the modes from ``selective_checkpoint_context_fn`` honour the brackets: torch's own modes do not know them.
+- ``forward_thread_compile_context`` / ``with_forward_thread_compile_context(context_fn)``: for AC(compile(block))
+  regions. Dynamo's config is per thread since torch 2.12 and the recompute runs on the autograd thread (the device
+  thread on GPU), so after a cache miss it compiles with that thread's defaults (recompile_limit 8,
+  capture_scalar_outputs False, no dynamic_sources) and fails with ``CheckpointError: ... Recomputed values for the
+  following tensors have different metadata than during the forward pass``. The context re-applies the forward
+  thread's settings around the recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
+
+from nemo_ac.config.schema import SelectiveACConfig
+from nemo_ac.distributed.activation_checkpointing import (
+    ContextFn,
+    PolicyRules,
+    SelectivePolicy,
+    compose_context_fns,
+    selective_region_modes,
+)
+from nemo_ac.distributed.compile import forward_thread_compile_context
+from nemo_ac.distributed.sac_compat import (
+    _fsdp_module_type,
+    fsdp_hooks_outside_sac_supported,
+    install_fsdp_hooks_outside_sac,
+    remove_fsdp_hooks_outside_sac,
+)
+
+PolicyFn = Callable[..., Any]
+
+__all__ = [
+    "ContextFn",
+    "add_recompute_context",
+    "compose_context_fns",
+    "forward_thread_compile_context",
+    "protect_fsdp_units",
+    "selective_checkpoint_context_fn",
+    "unprotect_fsdp_units",
+    "with_forward_thread_compile_context",
+]
+
+
+def selective_checkpoint_context_fn(
+    policy: PolicyFn | Sequence[Any] | None = None,
+    *,
+    policy_factory: Callable[[], PolicyFn] | None = None,
+    config: SelectiveACConfig | None = None,
+    region: str = "",
+    compile_context: bool = False,
+) -> ContextFn:
+    """A SAC ``context_fn`` whose modes let protected FSDP2 units' hook ops through.
+
+    policy: what ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` accepts (a function
+        ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` or a list of ops to save), shared by every region
+        invocation. None (and no factory): nemo_ac's policy (compute-intensive ops, every other matmul, router
+        top-k/sort, collectives; never a mutating op), fresh per invocation.
+    policy_factory: a zero-argument callable returning a fresh policy per region invocation, for stateful
+        policies (a matmul counter must restart in every region, or forward and recompute disagree).
+    config: nemo_ac's policy options when ``policy`` is None.
+    region: a name for error messages (``SACDesyncError`` says which region desynced).
+    compile_context: also re-apply the forward thread's compile settings in the recompute
+        (``with_forward_thread_compile_context``), for regions that hold a compiled module.
+    """
+    if policy is not None and policy_factory is not None:
+        raise ValueError("pass policy or policy_factory, not both")
+    make_policy = policy_factory
+    if policy is None and make_policy is None:
+        rules = PolicyRules.build(config if config is not None else SelectiveACConfig())
+
+        def make_policy() -> PolicyFn:
+            return SelectivePolicy(rules=rules, region=region)
+
+    def context_fn() -> tuple[AbstractContextManager, AbstractContextManager]:
+        return selective_region_modes(policy if policy is not None else make_policy(), region=region)
+
+    return with_forward_thread_compile_context(context_fn) if compile_context else context_fn
+
+
+def with_forward_thread_compile_context(context_fn: ContextFn) -> ContextFn:
+    """``context_fn`` plus the forward-thread compile context in its recompute.
+
+    While the checkpoint is being traced (compile(AC(...)): ``torch.compiler.is_compiling()``) the recompute is
+    planned inside the graph and no thread re-enters Dynamo, and torch requires the context to be a pair of
+    ``TorchDispatchMode``s, so ``context_fn``'s own pair is returned unchanged there.
+    """
+
+    def composed() -> tuple[AbstractContextManager, AbstractContextManager]:
+        if torch.compiler.is_compiling():
+            return context_fn()
+        return compose_context_fns([context_fn, forward_thread_compile_context])()
+
+    return composed
+
+
+def protect_fsdp_units(model: nn.Module, *, torch_version: str | None = None) -> int:
+    """Run every FSDP2 unit's forward hooks outside nemo_ac's SAC modes; call after ``fully_shard``.
+
+    Returns the number of units newly protected (0 on a second call: idempotent). Raises when ``model`` holds no
+    FSDP2 unit, because then it was called too early and would protect nothing. A no-op (returns 0) on torch
+    releases older than the ones this was verified on (``FSDP_HOOKS_OUTSIDE_SAC_SINCE``).
+    """
+    fsdp_type = _fsdp_module_type()
+    if not fsdp_hooks_outside_sac_supported(torch_version=torch_version):
+        return 0
+    if fsdp_type is None or not any(isinstance(module, fsdp_type) for module in model.modules()):
+        raise RuntimeError(
+            "protect_fsdp_units found no FSDP2 unit in the model: call it after fully_shard(...) of the model"
+        )
+    return install_fsdp_hooks_outside_sac(model, torch_version=torch_version)
+
+
+def unprotect_fsdp_units(model: nn.Module) -> int:
+    """Undo ``protect_fsdp_units``; returns the number of units unprotected."""
+    return remove_fsdp_hooks_outside_sac(model)
+
+
+def add_recompute_context(model: nn.Module, context_fn: ContextFn = forward_thread_compile_context) -> int:
+    """Compose ``context_fn`` into every non-reentrant ``checkpoint_wrapper`` already in ``model``.
+
+    For trainers that wrap blocks themselves (torchtitan, NeMo Automodel's parallelizer): their wrappers keep the
+    checkpoint call as ``functools.partial(checkpoint, use_reentrant=False, context_fn=...)``. The new recompute
+    context runs after the wrapper's own one (SAC modes first); under ``torch.compiler.is_compiling()`` the
+    wrapper's own pair is used alone (see ``with_forward_thread_compile_context``). Returns the number of wrappers
+    changed; wrappers without a partial checkpoint function (reentrant, custom) are left alone.
+    """
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, CheckpointWrapper):
+            continue
+        keywords = getattr(module.checkpoint_fn, "keywords", None)
+        if keywords is None or module.checkpoint_impl != CheckpointImpl.NO_REENTRANT:
+            continue
+        own = keywords.get("context_fn")
+        keywords["context_fn"] = _compose_with_own(own, context_fn)
+        count += 1
+    return count
+
+
+def _compose_with_own(own: ContextFn | None, extra: ContextFn) -> ContextFn:
+    if extra is forward_thread_compile_context:
+        return forward_thread_compile_context if own is None else with_forward_thread_compile_context(own)
+    return extra if own is None else compose_context_fns([own, extra])

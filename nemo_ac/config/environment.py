@@ -1,0 +1,50 @@
+"""Optional extras and devices a recipe needs: checked before ``init_process_group`` by the trainer and on demand by
+``nemo-ac validate --check-env``. A missing extra fails with the key and the ``pip install`` line."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from nemo_ac.config.errors import ConfigIssue
+from nemo_ac.config.schema import RecipeConfig
+
+_EXTRAS = {
+    ("backend.dispatcher", "deepep"): ("deep_ep", "deepep"),
+    ("backend.attention", "te"): ("transformer_engine", "te"),
+    ("backend.linear", "te"): ("transformer_engine", "te"),
+    ("backend.rms_norm", "te"): ("transformer_engine", "te"),
+}
+
+
+def check_environment(recipe: RecipeConfig, *, cuda_available: bool | None = None) -> list[ConfigIssue]:
+    """Optional extras and devices the recipe needs but this machine lacks (empty list: all present)."""
+    issues = []
+    values = {
+        "backend.dispatcher": recipe.backend.dispatcher,
+        "backend.attention": recipe.backend.attention,
+        "backend.linear": recipe.backend.linear,
+        "backend.rms_norm": recipe.backend.rms_norm,
+    }
+    for (key, value), (module, extra) in _EXTRAS.items():
+        if values[key] == value and importlib.util.find_spec(module) is None:
+            issues.append(
+                ConfigIssue(
+                    key,
+                    f"{value!r} needs the optional package '{module}', which is not installed: "
+                    f"pip install 'nemo_ac[{extra}]' on a CUDA machine, or set {key}: "
+                    f"{'torch' if key != 'backend.attention' else 'sdpa'}",
+                )
+            )
+    if recipe.model.pretrained and importlib.util.find_spec("safetensors") is None:
+        issues.append(
+            ConfigIssue("model.pretrained", "loading HF weights needs 'safetensors': pip install 'nemo_ac[hf]'")
+        )
+    needs_cuda = values["backend.dispatcher"] == "deepep" or "te" in values.values() or recipe.dist.backend == "nccl"
+    if needs_cuda and cuda_available is False:
+        issues.append(
+            ConfigIssue(
+                "backend" if recipe.dist.backend != "nccl" else "dist.backend",
+                "this recipe needs CUDA (deepep / te / nccl) but no GPU is visible",
+            )
+        )
+    return issues

@@ -1,0 +1,136 @@
+"""From a validated recipe to a ready ``Trainer``: the one build sequence the CLI and the test workers share.
+
+Order matters and is the mission's: meshes -> model on meta -> parallelize (EP -> CP -> AC -> compile -> FSDP) ->
+materialize weights -> freeze -> optimizer / scheduler -> data. ``train.freeze`` runs before the optimizer (it takes
+``requires_grad`` parameters only, so frozen ones get no state) and before the first forward (FSDP2 creates its
+unsharded parameters, and with them their ``requires_grad``, lazily there); frozen parameters get no gradient, so
+FSDP2 reduces nothing for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from nemo_ac.config import RecipeConfig
+from nemo_ac.config.validate import ParallelLayout
+from nemo_ac.data.sources import build_batches
+from nemo_ac.distributed.mesh import ParallelMeshes, build_meshes
+from nemo_ac.distributed.parallelize import parallelize
+from nemo_ac.models import build_model
+from nemo_ac.models.freeze import freeze
+from nemo_ac.trainer.batching import make_batch_preparer
+from nemo_ac.trainer.expert_balance import expert_bias_callbacks
+from nemo_ac.trainer.hf_weights import materialize_weights
+from nemo_ac.trainer.loop import LoopOptions, Trainer
+from nemo_ac.trainer.metrics import MetricsLogger
+from nemo_ac.trainer.optim import build_optimizer, build_scheduler
+
+
+@dataclass
+class TrainingSetup:
+    """Everything a training run holds besides the loop: what ``build_training`` returns."""
+
+    recipe: RecipeConfig
+    layout: ParallelLayout
+    meshes: ParallelMeshes
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: Any
+    weights: str  # "random init" or where the pretrained weights came from
+    frozen: dict[str, int]  # parameter group -> frozen parameter count
+
+
+def build_parallel_model(
+    recipe: RecipeConfig, layout: ParallelLayout, *, device: torch.device
+) -> tuple[nn.Module, ParallelMeshes]:
+    """Meshes, the model on meta, parallelized as the recipe says (weights not yet materialized)."""
+    meshes = build_meshes(layout, device_type=device.type)
+    torch.manual_seed(recipe.train.seed)
+    model = build_model(recipe.model)
+    parallelize(
+        model,
+        meshes=meshes,
+        model_config=recipe.model,
+        parallel=recipe.parallel,
+        activation_checkpointing=recipe.activation_checkpointing,
+        compile=recipe.compile,
+        backend=recipe.backend,
+    )
+    return model, meshes
+
+
+def build_training(recipe: RecipeConfig, layout: ParallelLayout, *, device: torch.device) -> TrainingSetup:
+    """The parallelized model with its weights, frozen groups, optimizer, scheduler and this rank's data."""
+    model, meshes = build_parallel_model(recipe, layout, device=device)
+    weights = materialize_weights(model, model_config=recipe.model, device=device, seed=recipe.train.seed)
+    switches = dataclasses.asdict(recipe.train.freeze)
+    frozen = freeze(model, **switches) if any(switches.values()) else {}
+    optimizer = build_optimizer(model, recipe.train)
+    scheduler = build_scheduler(optimizer, recipe.train)
+    data = build_batches(
+        recipe.data,
+        vocab_size=recipe.model.vocab_size,
+        vision=recipe.model.vision,
+        global_batch_size=recipe.train.global_batch_size,
+        micro_batch_size=recipe.train.micro_batch_size,
+        dp_rank=meshes.dp_rank,
+        dp_size=meshes.dp_size,
+        seed=recipe.train.seed,
+    )
+    return TrainingSetup(
+        recipe=recipe,
+        layout=layout,
+        meshes=meshes,
+        device=device,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=data,
+        weights=weights,
+        frozen=frozen,
+    )
+
+
+def quiet_logger(recipe: RecipeConfig) -> MetricsLogger:
+    """A logger that records nothing and prints nothing (workers and benchmarks read ``Trainer.fit``'s history)."""
+    return MetricsLogger(
+        run_dir="unused", total_steps=recipe.train.steps, enabled=False, jsonl=False, progress_bar="never", log_every=1
+    )
+
+
+def build_trainer(
+    setup: TrainingSetup,
+    *,
+    logger: MetricsLogger,
+    metric_sources: Mapping[str, Callable[[], Any]] | None = None,
+) -> Trainer:
+    """The training loop over ``setup``, with the recipe's step options and aux-loss-free bias updates."""
+    recipe, layout = setup.recipe, setup.layout
+    return Trainer(
+        model=setup.model,
+        optimizer=setup.optimizer,
+        scheduler=setup.scheduler,
+        data=setup.data,
+        prepare_batch=make_batch_preparer(cp=layout.cp, cp_rank=setup.meshes.cp_rank, cp_type=recipe.parallel.cp_type),
+        device=setup.device,
+        logger=logger,
+        options=LoopOptions(
+            steps=recipe.train.steps,
+            grad_clip=recipe.train.grad_clip,
+            aux_loss_coef=recipe.model.moe.aux_loss_coef,
+            backward_on_thread=recipe.train.backward_on_thread,
+            fail_after_step=recipe.train.fail_after_step,
+            metric_sources=dict(metric_sources or {}),
+            # Aux-loss-free balancing: router biases follow the step's global expert loads (moe.bias_update_rate).
+            post_step_callbacks=expert_bias_callbacks(setup.model, moe=recipe.model.moe),
+        ),
+        loss_group=setup.meshes.loss_group,
+    )
