@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
+from nemo_ac.doctor import isolation
+
 
 @pytest.fixture(scope="module")
 def world() -> Iterator[dist.ProcessGroup]:
@@ -18,3 +20,10 @@ def world() -> Iterator[dist.ProcessGroup]:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Dynamo's caches and counters reset before and after the test (compile counts are asserted per test)."""
+    with isolation.fresh_dynamo():
+        yield

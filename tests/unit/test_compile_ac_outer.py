@@ -34,13 +34,7 @@ from nemo_ac.models.init import materialize_and_init
 SEQ = 44  # no model dimension equals it (duck sizing would tie them)
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def tiny_ac_outer(*, forward_thread_context: bool) -> torch.nn.Module:

@@ -10,18 +10,10 @@ import threading
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from nemo_ac.diagnostics.recompiles import CompileAccounting, EagerFallbackWarning
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def run_on_thread(fn) -> None:

@@ -24,14 +24,7 @@ from nemo_ac.distributed.compile import (
 )
 from nemo_ac.models.interfaces import AttentionInputs
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @dataclass

@@ -107,15 +107,6 @@ def test_validation_rejects_the_silent_eager_layouts_before_any_process_group():
 # the eager fallback, observed
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
-
-
 def sharded_tiny(layout: str | None) -> torch.nn.Module:
     """The tiny recipe (experts as a nested FSDP unit) through the production parallelizer, world size 1."""
     recipe = load_recipe(RECIPES / "tiny" / "qwen3_moe_tiny.yaml", ["model.num_layers=1"])

@@ -21,16 +21,7 @@ from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.distributed.activation_checkpointing import make_selective_checkpoint_context_fn
 from nemo_ac.distributed.compile import ac_outer_region_kwargs
 
-
-@pytest.fixture
-def world_of_one():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    torch._dynamo.reset()
-    yield dist.group.WORLD
-    torch._dynamo.reset()
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
@@ -52,7 +43,7 @@ def grads(fn, x, weights, *, checkpointed: bool):
     return torch.autograd.grad(out.sum(), weights)
 
 
-def test_selective_ac_over_inductor_code_replays_overwritten_buffers_without_region_wrapping(world_of_one):
+def test_selective_ac_over_inductor_code_replays_overwritten_buffers_without_region_wrapping(world):
     torch.manual_seed(0)
     x = torch.randn(40, 24)
     weights = [torch.randn(24, 24, requires_grad=True) for _ in range(3)]
@@ -61,7 +52,7 @@ def test_selective_ac_over_inductor_code_replays_overwritten_buffers_without_reg
         grads(compiled, x, weights, checkpointed=True)
 
 
-def test_wrapped_regions_are_recomputed_and_match_the_compiled_block_exactly(world_of_one):
+def test_wrapped_regions_are_recomputed_and_match_the_compiled_block_exactly(world):
     torch.manual_seed(0)
     x = torch.randn(40, 24)
     weights = [torch.randn(24, 24, requires_grad=True) for _ in range(3)]
