@@ -17,17 +17,10 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from nemo_ac.config import load_recipe, to_dict, validate_recipe
 from nemo_ac.config.schema import CheckpointConfig
-from nemo_ac.data.loader import SyntheticBatches
-from nemo_ac.distributed.mesh import build_meshes
-from nemo_ac.distributed.parallelize import parallelize
-from nemo_ac.models import build_model
-from nemo_ac.models.init import materialize_and_init
 from nemo_ac.trainer import checkpoint_files as files
-from nemo_ac.trainer.batching import make_batch_preparer
+from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
 from nemo_ac.trainer.checkpoint import Checkpointer, CheckpointError, CheckpointWarning, TrainingState
-from nemo_ac.trainer.loop import LoopOptions, Trainer
-from nemo_ac.trainer.metrics import MetricsLogger
-from nemo_ac.trainer.optim import build_optimizer, build_scheduler
+from nemo_ac.trainer.loop import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
@@ -58,46 +51,12 @@ def build(ckpt_dir: Path, *overrides: str) -> Run:
     """The same construction as nemo_ac.train.run, at world size 1."""
     recipe = load_recipe(TINY, [*SMALL, f"checkpoint.dir={ckpt_dir}", "checkpoint.enabled=true", *overrides])
     layout = validate_recipe(recipe, world_size=1)
-    meshes = build_meshes(layout, device_type="cpu")
-    model = build_model(recipe.model)
-    parallelize(
-        model,
-        meshes=meshes,
-        model_config=recipe.model,
-        parallel=recipe.parallel,
-        activation_checkpointing=recipe.activation_checkpointing,
-        compile=recipe.compile,
-        backend=recipe.backend,
-    )
-    materialize_and_init(model, device=CPU, seed=recipe.train.seed)
-    optimizer = build_optimizer(model, recipe.train)
-    scheduler = build_scheduler(optimizer, recipe.train)
-    data = SyntheticBatches(
-        recipe.data,
-        vocab_size=recipe.model.vocab_size,
-        global_batch_size=recipe.train.global_batch_size,
-        micro_batch_size=recipe.train.micro_batch_size,
-        dp_rank=0,
-        dp_size=1,
-        seed=recipe.train.seed,
-    )
-    logger = MetricsLogger(
-        run_dir="", total_steps=recipe.train.steps, enabled=False, jsonl=False, progress_bar="never", log_every=1
-    )
-    trainer = Trainer(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        data=data,
-        prepare_batch=make_batch_preparer(cp=1),
-        device=CPU,
-        logger=logger,
-        options=LoopOptions(steps=recipe.train.steps, grad_clip=recipe.train.grad_clip, aux_loss_coef=0.001),
-    )
+    setup = build_training(recipe, layout, device=CPU)
+    trainer = build_trainer(setup, logger=quiet_logger(recipe))
     checkpointer = Checkpointer(
         config=recipe.checkpoint, total_steps=recipe.train.steps, recipe=to_dict(recipe), device=CPU
     )
-    state = TrainingState(model=model, optimizer=optimizer, scheduler=scheduler, data=data)
+    state = TrainingState(model=setup.model, optimizer=setup.optimizer, scheduler=setup.scheduler, data=setup.data)
     return Run(trainer=trainer, state=state, checkpointer=checkpointer)
 
 
