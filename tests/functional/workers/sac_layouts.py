@@ -1,7 +1,7 @@
 """torchrun worker (2 gloo ranks): SAC under every FSDP2 layout, one launch, many cells.
 
 Each cell builds the tiny Qwen3-MoE recipe fresh through the production path (``parallelize`` ->
-``materialize_and_init`` -> ``Trainer``), trains ``train.steps`` steps and reports losses, or the error it raised.
+``materialize_and_init`` -> ``nemo_ac.trainer.build.build_trainer``), trains ``train.steps`` steps and reports losses, or the error it raised.
 Rank 0 writes ``{"cells": [...]}`` as JSON to ``argv[1]``. Cell groups (``argv[2]``, comma separated):
 
 - ``regression``: explicit prefetch with the workarounds off / with only the profiler-op ignore / on;
@@ -38,9 +38,7 @@ from nemo_ac.distributed.sac_compat import ensure_profiler_ops_sac_ignored
 from nemo_ac.models import build_model
 from nemo_ac.models.common.dispatch import LocalDispatcher
 from nemo_ac.models.init import materialize_and_init
-from nemo_ac.trainer.batching import make_batch_preparer
-from nemo_ac.trainer.loop import LoopOptions, Trainer
-from nemo_ac.trainer.metrics import MetricsLogger
+from nemo_ac.trainer.build import TrainingSetup, build_trainer, quiet_logger
 from nemo_ac.trainer.optim import build_optimizer, build_scheduler
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -108,7 +106,11 @@ def train_cell(name: str, overrides: list[str], *, a2a: bool = False, profiler_o
             ensure_profiler_ops_sac_ignored()
         materialize_and_init(model, device="cpu", seed=recipe.train.seed)
         optimizer = build_optimizer(model, recipe.train)
-        trainer = Trainer(
+        setup = TrainingSetup(
+            recipe=recipe,
+            layout=layout,
+            meshes=meshes,
+            device=torch.device("cpu"),
             model=model,
             optimizer=optimizer,
             scheduler=build_scheduler(optimizer, recipe.train),
@@ -121,24 +123,10 @@ def train_cell(name: str, overrides: list[str], *, a2a: bool = False, profiler_o
                 dp_size=meshes.dp_size,
                 seed=recipe.train.seed,
             ),
-            prepare_batch=make_batch_preparer(cp=1),
-            device=torch.device("cpu"),
-            logger=MetricsLogger(
-                run_dir="unused",
-                total_steps=recipe.train.steps,
-                enabled=False,
-                jsonl=False,
-                progress_bar="never",
-                log_every=1,
-            ),
-            options=LoopOptions(
-                steps=recipe.train.steps,
-                grad_clip=recipe.train.grad_clip,
-                aux_loss_coef=recipe.model.moe.aux_loss_coef,
-                backward_on_thread=recipe.train.backward_on_thread,
-            ),
-            loss_group=meshes.loss_group,
+            weights="random init",
+            frozen={},
         )
+        trainer = build_trainer(setup, logger=quiet_logger(recipe))
         history = trainer.fit()
         result.update(ok=True, losses=[m.loss for m in history], grad_norms=[m.grad_norm for m in history])
     except Exception as exc:  # the regression cells expect the SAC error
