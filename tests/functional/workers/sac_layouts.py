@@ -11,7 +11,8 @@ Rank 0 writes ``{"cells": [...]}`` as JSON to ``argv[1]``. Cell groups (``argv[2
 
 The EP-style axis uses a test-local dispatcher: the local sort, then a differentiable ``all_to_all_single`` that
 sends half of the expert rows to the peer and a second one that sends them back, in dispatch and again in combine
-(real expert parallel lands separately; what matters here is a collective inside the checkpointed region).
+(the real dispatcher is covered by tests/functional/test_ep_cp_parity.py; what matters here is a collective inside the
+checkpointed region).
 """
 
 from __future__ import annotations
