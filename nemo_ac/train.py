@@ -68,6 +68,7 @@ def run(recipe: RecipeConfig, layout: ParallelLayout, env: DistEnv) -> list[Step
             + "".join(f" | frozen {group} {count:,}" for group, count in setup.frozen.items() if count),
             flush=True,
         )
+        print("kernels | " + " | ".join(f"{name} {choice}" for name, choice in setup.kernels.items()), flush=True)
     checkpointer = Checkpointer(
         config=recipe.checkpoint, total_steps=recipe.train.steps, recipe=to_dict(recipe), device=env.device
     )

@@ -61,6 +61,7 @@ def check_experts(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
                 "model.moe.score_correction_bias is false; set it true or bias_update_rate: 0",
             )
         )
+    issues += _grouped_mm_alignment(recipe)
     if recipe.parallel.ep > 1 and not moe.separate_fsdp_unit:
         issues.append(
             ConfigIssue(
@@ -69,6 +70,34 @@ def check_experts(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
             )
         )
     return issues
+
+
+# torch._grouped_mm needs 16-byte aligned rows: widths must be multiples of this many elements per compute dtype.
+_GROUPED_MM_ALIGNMENT = {"float32": 4, "bfloat16": 8, "float16": 8}
+
+
+def _grouped_mm_alignment(recipe: RecipeConfig) -> list[ConfigIssue]:
+    """An explicit ``experts_impl: grouped_mm`` whose widths the kernel cannot take (``auto`` falls back to loop)."""
+    moe = recipe.model.moe
+    if moe.experts_impl != "grouped_mm":
+        return []
+    dtype = recipe.parallel.fsdp.param_dtype
+    multiple = _GROUPED_MM_ALIGNMENT[dtype]
+    widths = {
+        "model.moe.latent_size" if moe.latent_size else "model.hidden_size": moe.latent_size or recipe.model.hidden_size
+    }
+    widths["model.moe.moe_intermediate_size"] = moe.moe_intermediate_size
+    bad = {key: width for key, width in widths.items() if width % multiple}
+    if not bad:
+        return []
+    listed = ", ".join(f"{key}={width}" for key, width in bad.items())
+    return [
+        ConfigIssue(
+            "model.moe.experts_impl",
+            f"grouped_mm needs expert widths that are multiples of {multiple} in {dtype} (16-byte rows), but "
+            f"{listed}; set model.moe.experts_impl: auto (falls back to loop) or loop",
+        )
+    ]
 
 
 def check_model_shape(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:

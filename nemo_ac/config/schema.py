@@ -45,6 +45,11 @@ class MoEConfig:
     router_dtype: Literal["float32", "param"] = "param"
     # Experts as a separate (nested) FSDP unit inside the block: the layout that exposes the SAC desync.
     separate_fsdp_unit: bool = True
+    # Routed-expert GEMMs. grouped_mm: one torch._grouped_mm per projection over expert-sorted rows, offsets on the
+    # device (no host sync); needs fp32/bf16/fp16 and widths that are multiples of 16 bytes. loop: one matmul pair
+    # per local expert (the reference; syncs on the per-expert counts). auto: grouped_mm where the device and the
+    # compute dtype (parallel.fsdp.param_dtype) support it, loop elsewhere; the run prints its choice.
+    experts_impl: Literal["auto", "loop", "grouped_mm"] = "auto"
 
 
 @dataclass

@@ -45,6 +45,7 @@ from nemo_ac.distributed.sac_compat import (
     install_fsdp_hooks_outside_sac,
     reset_fsdp_hook_state,
 )
+from nemo_ac.models.common import grouped_gemm as _registers_grouped_mm_op  # noqa: F401  (torch.ops.nemo_ac.grouped_mm)
 
 ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
 
@@ -95,7 +96,15 @@ def _packets(*qualified: str) -> frozenset:
     return frozenset(found)
 
 
-_MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::_scaled_mm")
+_MATMULS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_grouped_mm",
+    "aten::_scaled_mm",
+    "nemo_ac::grouped_mm",  # the traceable fp32 grouped GEMM (nemo_ac.models.common.grouped_gemm)
+)
 _MATMULS_OPTIONAL = ("aten::_scaled_grouped_mm",)
 _ATTENTION = (
     "aten::_scaled_dot_product_flash_attention",

@@ -54,7 +54,12 @@ class NemotronHMoE(MoE):
     def __init__(self, hidden_size: int, moe: MoEConfig, *, mlp_bias: bool) -> None:
         width = moe.latent_size or hidden_size
         experts = GroupedExperts(
-            moe.num_experts, width, moe.moe_intermediate_size, activation="relu2", in_proj_name="up_proj"
+            moe.num_experts,
+            width,
+            moe.moe_intermediate_size,
+            activation="relu2",
+            in_proj_name="up_proj",
+            impl=moe.experts_impl,
         )
         super().__init__(hidden_size, moe, experts=experts, with_shared_expert=False)
         self.shared_experts = NonGatedMLP(hidden_size, moe.shared_expert_intermediate_size, bias=mlp_bias)

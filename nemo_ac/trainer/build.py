@@ -22,7 +22,8 @@ from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.data.sources import build_batches
 from nemo_ac.distributed.mesh import ParallelMeshes, build_meshes
 from nemo_ac.distributed.parallelize import parallelize
-from nemo_ac.models import build_model
+from nemo_ac.models import build_model, model_dtype
+from nemo_ac.models.common.experts import choose_experts_impl
 from nemo_ac.models.freeze import freeze
 from nemo_ac.trainer.batching import make_batch_preparer
 from nemo_ac.trainer.expert_balance import expert_bias_callbacks
@@ -46,6 +47,26 @@ class TrainingSetup:
     data: Any
     weights: str  # "random init" or where the pretrained weights came from
     frozen: dict[str, int]  # parameter group -> frozen parameter count
+    kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # kernel choices, e.g. experts -> grouped_mm
+
+
+def choose_kernels(recipe: RecipeConfig, *, device: torch.device) -> tuple[RecipeConfig, dict[str, str]]:
+    """The recipe with every ``auto`` kernel resolved for ``device`` and the compute dtype, and what was chosen
+    (one line of the run's start-up print). Chosen here, before the model is built, so the modules are built with
+    their kernel (no swapping afterwards)."""
+    moe = recipe.model.moe
+    compute_dtype = model_dtype(recipe.parallel.fsdp.param_dtype)
+    experts_impl = choose_experts_impl(
+        moe.experts_impl,
+        device_type=device.type,
+        dtype=compute_dtype,
+        hidden_size=moe.latent_size or recipe.model.hidden_size,
+        intermediate_size=moe.moe_intermediate_size,
+    )
+    how = "auto" if moe.experts_impl == "auto" else "set"
+    kernels = {"experts": f"{experts_impl} ({how}: {device.type} {recipe.parallel.fsdp.param_dtype})"}
+    model = dataclasses.replace(recipe.model, moe=dataclasses.replace(moe, experts_impl=experts_impl))
+    return dataclasses.replace(recipe, model=model), kernels
 
 
 def build_parallel_model(
@@ -69,6 +90,7 @@ def build_parallel_model(
 
 def build_training(recipe: RecipeConfig, layout: ParallelLayout, *, device: torch.device) -> TrainingSetup:
     """The parallelized model with its weights, frozen groups, optimizer, scheduler and this rank's data."""
+    recipe, kernels = choose_kernels(recipe, device=device)
     model, meshes = build_parallel_model(recipe, layout, device=device)
     weights = materialize_weights(model, model_config=recipe.model, device=device, seed=recipe.train.seed)
     switches = dataclasses.asdict(recipe.train.freeze)
@@ -96,6 +118,7 @@ def build_training(recipe: RecipeConfig, layout: ParallelLayout, *, device: torc
         data=data,
         weights=weights,
         frozen=frozen,
+        kernels=kernels,
     )
 
 

@@ -39,7 +39,11 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 def tiny_ac_outer(*, forward_thread_context: bool) -> torch.nn.Module:
     cfg = ModelConfig(
-        vocab_size=64, hidden_size=64, num_layers=1, moe=MoEConfig(num_experts=4, moe_intermediate_size=32)
+        vocab_size=64,
+        hidden_size=64,
+        num_layers=1,
+        # the loop: its tokens_per_expert.tolist() is what graph-breaks under the backward thread's defaults
+        moe=MoEConfig(num_experts=4, moe_intermediate_size=32, experts_impl="loop"),
     )
     compile_config = CompileConfig(
         enabled=True, backend="aot_eager", layout="ac_outer", forward_thread_context=forward_thread_context

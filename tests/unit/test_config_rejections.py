@@ -100,6 +100,13 @@ ROWS = [
         r"0 must be between 1",
         id="zero",
     ),
+    row(
+        "check_experts",
+        ["model.moe.experts_impl=grouped_mm", "model.moe.moe_intermediate_size=30"],
+        "model.moe.experts_impl",
+        r"grouped_mm needs expert widths that are multiples of 4 in float32 .*moe_intermediate_size=30; set "
+        r"model.moe.experts_impl: auto",
+    ),
     row("check_experts", ["model.moe.n_group=3"], "model.moe.n_group", r"3 must be >= 1 and divide num_experts=4"),
     row("check_experts", ["model.moe.n_group=0"], "model.moe.n_group", r"0 must be >= 1", id="zero_groups"),
     row(

@@ -10,6 +10,8 @@ Run ``pytest -s tests/unit/test_sac_flops.py`` to see the table.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -151,10 +153,11 @@ def test_selective_saves_less_than_none_and_recomputes_less_than_full():
             torch.testing.assert_close(results[mode]["grads"][name], grad, rtol=0, atol=0, msg=f"{mode}: {name}")
 
 
+@pytest.mark.parametrize("experts_impl", ["loop", "grouped_mm"])
 @pytest.mark.parametrize("save_every_other_mm", [True, False])
-def test_matmul_decisions_alternate_within_the_block(save_every_other_mm):
-    """Every matmul of the block (attention projections, router, each expert's two linears) in order: saved,
-    recomputed, saved, ... (or all saved)."""
+def test_matmul_decisions_alternate_within_the_block(save_every_other_mm, experts_impl):
+    """Every matmul of the block (attention projections, router, the experts' linears: two per expert in the loop,
+    two grouped GEMMs for all experts with grouped_mm) in order: saved, recomputed, saved, ... (or all saved)."""
     decisions = []
     policy_cls = ac.SelectivePolicy
 
@@ -168,15 +171,16 @@ def test_matmul_decisions_alternate_within_the_block(save_every_other_mm):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ac, "SelectivePolicy", Spy)
         torch.manual_seed(0)
-        block = DecoderLayer(CFG, layer_idx=0)
+        cfg = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, experts_impl=experts_impl))
+        block = DecoderLayer(cfg, layer_idx=0)
         init_weights(block, seed=0, init_std=0.02, family="qwen3_moe")
         factory = ac.make_selective_checkpoint_context_fn(
             config=SelectiveACConfig(save_every_other_mm=save_every_other_mm)
         )
         hidden, rope, attn = _inputs()
         ac.wrap_block(block, context_fns=[factory])(hidden.requires_grad_(), rope=rope, attn=attn)
-    # 4 attention projections + router + 2 per expert (8 experts; empty ones still run a [0, H] matmul).
-    assert len(decisions) == 4 + 1 + 2 * CFG.moe.num_experts
+    # 4 attention projections + router + 2 per expert (8 experts; empty ones still run a [0, H] matmul) or 2 in all.
+    assert len(decisions) == 4 + 1 + (2 * CFG.moe.num_experts if experts_impl == "loop" else 2)
     if save_every_other_mm:
         assert decisions == ["MUST_SAVE", "PREFER_RECOMPUTE"] * (len(decisions) // 2) + ["MUST_SAVE"]
     else:

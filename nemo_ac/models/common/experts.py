@@ -18,18 +18,60 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from nemo_ac.models.common.grouped_gemm import GROUPED_MM_DTYPES, grouped_matmul, widths_aligned
+
+ExpertsImpl = Literal["loop", "grouped_mm"]
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """Expert weights sharded over an EP mesh are DTensors; the math runs on this rank's experts only."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def grouped_mm_supported(*, device_type: str, dtype: torch.dtype, hidden_size: int, intermediate_size: int) -> bool:
+    """Whether ``impl="grouped_mm"`` runs forward and backward for these experts: a device with the kernel
+    (CPU, CUDA), a dtype it takes (fp32 / bf16 / fp16; not fp64) and 16-byte aligned widths (see
+    ``nemo_ac.models.common.grouped_gemm``)."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and device_type in ("cpu", "cuda")
+        and dtype in GROUPED_MM_DTYPES
+        and widths_aligned(dtype, hidden_size, intermediate_size)
+    )
+
+
+def choose_experts_impl(
+    requested: Literal["auto", "loop", "grouped_mm"],
+    *,
+    device_type: str,
+    dtype: torch.dtype,
+    hidden_size: int,
+    intermediate_size: int,
+) -> ExpertsImpl:
+    """``model.moe.experts_impl`` resolved for the device and compute dtype: ``auto`` is ``grouped_mm`` where it
+    is supported (``grouped_mm_supported``) and ``loop`` elsewhere; an explicit choice is returned as it is
+    (validation rejects an unsupported explicit ``grouped_mm`` before any process group starts)."""
+    if requested != "auto":
+        return requested
+    supported = grouped_mm_supported(
+        device_type=device_type, dtype=dtype, hidden_size=hidden_size, intermediate_size=intermediate_size
+    )
+    return "grouped_mm" if supported else "loop"
+
+
 class GroupedExperts(nn.Module):
     """Per-expert feed-forward over expert-contiguous rows.
 
-    ``impl``: ``"loop"`` (default; one matmul pair per local expert via ``torch.split`` of the counts, which
-    syncs on ``tokens_per_expert.tolist()``) or ``"grouped_mm"`` (``torch._grouped_mm`` with cumulative offsets,
-    no host sync). An expert with zero rows yields an empty slice and a zero gradient.
+    ``impl``: ``"grouped_mm"`` (``torch._grouped_mm`` with cumulative offsets on the device, no host sync; what
+    recipes get where it is supported, ``choose_experts_impl``) or ``"loop"`` (the reference and fallback: one
+    matmul pair per local expert via ``torch.split`` of the counts, which syncs on ``tokens_per_expert.tolist()``).
+    ``"auto"`` picks per call by the rows' device and dtype with the same rule (for modules built outside a
+    recipe, e.g. fp64 tests). An expert with zero rows yields an empty slice and a zero gradient.
+
+    The loop takes each expert's weights from one ``unbind`` per forward, never ``weight[e]``: each indexing
+    select's backward writes a zero tensor the size of the whole [E, 2I, H] weight and autograd sums E of them, so
+    the old loop's backward cost grew with experts x weight size (x85 from 16 to 128 experts at the same tokens);
+    ``unbind``'s backward stacks the E slice gradients once.
     """
 
     def __init__(
@@ -39,7 +81,7 @@ class GroupedExperts(nn.Module):
         intermediate_size: int,
         *,
         activation: Literal["silu", "relu2"] = "silu",
-        impl: Literal["loop", "grouped_mm"] = "loop",
+        impl: Literal["auto", "loop", "grouped_mm"] = "loop",
         in_proj_name: Literal["gate_up_proj", "up_proj"] = "gate_up_proj",
     ) -> None:
         super().__init__()
@@ -74,17 +116,31 @@ class GroupedExperts(nn.Module):
                 f"tokens_per_expert has {tokens_per_expert.shape[0]} entries but there are {gate_up.shape[0]} "
                 "local experts"
             )
-        if self.impl == "grouped_mm":
+        impl = self.impl
+        if impl == "auto":
+            impl = choose_experts_impl(
+                "auto",
+                device_type=x.device.type,
+                dtype=x.dtype,
+                hidden_size=self.hidden_size,
+                intermediate_size=self.intermediate_size,
+            )
+        if impl == "grouped_mm":
             return self._forward_grouped_mm(x, tokens_per_expert, gate_up, down)
+        return self._forward_loop(x, tokens_per_expert, gate_up, down)
+
+    def _forward_loop(
+        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    ) -> torch.Tensor:
         outs = []
-        for e, rows in enumerate(torch.split(x, tokens_per_expert.tolist())):
-            h = self._act(F.linear(rows, gate_up[e]))
-            outs.append(F.linear(h, down[e]))
+        rows_per_expert = torch.split(x, tokens_per_expert.tolist())
+        for rows, w_in, w_out in zip(rows_per_expert, gate_up.unbind(0), down.unbind(0), strict=True):
+            outs.append(F.linear(self._act(F.linear(rows, w_in)), w_out))
         return torch.cat(outs, dim=0) if outs else x.new_empty(0, self.hidden_size)
 
     def _forward_grouped_mm(
         self, x: torch.Tensor, tokens_per_expert: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     ) -> torch.Tensor:
         offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
-        h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(self._act(h), down.transpose(-2, -1), offs=offs)
+        h = grouped_matmul(x, gate_up.transpose(-2, -1), offs)
+        return grouped_matmul(self._act(h), down.transpose(-2, -1), offs)

@@ -82,7 +82,13 @@ class MoE(nn.Module):
         self.experts = (
             experts
             if experts is not None
-            else GroupedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, activation=moe.activation)
+            else GroupedExperts(
+                moe.num_experts,
+                hidden_size,
+                moe.moe_intermediate_size,
+                activation=moe.activation,
+                impl=moe.experts_impl,
+            )
         )
         self.shared_expert = (
             MLP(hidden_size, moe.shared_expert_intermediate_size)
