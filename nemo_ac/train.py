@@ -18,7 +18,7 @@ from nemo_ac.config import ConfigError, RecipeConfig, check_environment, load_re
 from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.diagnostics.recompiles import CompileAccounting
 from nemo_ac.distributed.compile import compiled_checkpoint_entries, compiled_layouts
-from nemo_ac.distributed.env import DistEnv, destroy_distributed, init_distributed, world_size_from_env
+from nemo_ac.distributed.env import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env
 from nemo_ac.distributed.offload import installed_offloader
 from nemo_ac.trainer.build import build_trainer, build_training
 from nemo_ac.trainer.checkpoint import Checkpointer, TrainingState, check_checkpoint_paths, elastic_restart_hazard
@@ -125,4 +125,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

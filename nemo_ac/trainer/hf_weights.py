@@ -6,7 +6,7 @@ the weights or the math must agree with the recipe (``architecture_issues`` list
 values); a Hub id is checked the same way right after it is downloaded, on every rank, before any weight is read.
 Fields that change neither (``max_position_embeddings``, ``init_std``, Mamba's ``chunk_size`` and dt-init range)
 and training knobs (``moe.aux_loss_coef``, ``moe.bias_update_rate``, ``moe.router_dtype``,
-``moe.separate_fsdp_unit``) may differ.
+``moe.separate_fsdp_unit``, the kernel choice ``moe.experts_impl``) may differ.
 
 Export (``export_final_hf``) writes into ``<dir>.partial`` and renames it over ``<dir>`` only when complete, so a
 crash never leaves a directory that mixes two exports' shards.
@@ -41,6 +41,7 @@ IGNORED_FIELDS = frozenset(
         "moe.bias_update_rate",
         "moe.router_dtype",
         "moe.separate_fsdp_unit",
+        "moe.experts_impl",
         "mamba.chunk_size",
         "mamba.expand",
         "mamba.time_step_max",

@@ -19,7 +19,7 @@ import torch._dynamo.callback as dynamo_callback
 import torch.distributed as dist
 
 from nemo_ac.config import load_recipe, validate_recipe
-from nemo_ac.distributed.env import destroy_distributed, init_distributed
+from nemo_ac.distributed.env import destroy_distributed, exit_process, init_distributed
 from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -67,4 +67,4 @@ def main(out_path: str, overrides: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2:]))
+    exit_process(main(sys.argv[1], sys.argv[2:]))

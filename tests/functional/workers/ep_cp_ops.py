@@ -34,6 +34,7 @@ from nemo_ac.distributed.context_parallel.sharding import (
     ulysses_attention_inputs,
 )
 from nemo_ac.distributed.context_parallel.ulysses import ulysses_attention, ulysses_linear_attention, ulysses_ssm
+from nemo_ac.distributed.env import destroy_distributed, exit_process
 from nemo_ac.distributed.expert_parallel import AllToAllDispatcher
 from nemo_ac.models.common.attention import packed_causal_attention
 from nemo_ac.models.common.dispatch import LocalDispatcher
@@ -205,9 +206,9 @@ def main() -> int:
         if only is None or name.split()[0] in only:
             check()
             print(f"rank {rank}: ok {name}", flush=True)
-    dist.destroy_process_group()
+    destroy_distributed()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

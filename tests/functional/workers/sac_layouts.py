@@ -32,7 +32,7 @@ from nemo_ac.config import load_recipe, validate_recipe
 from nemo_ac.config.schema import DistConfig
 from nemo_ac.data.loader import SyntheticBatches
 from nemo_ac.distributed.blocks import decoder_layers
-from nemo_ac.distributed.env import destroy_distributed, init_distributed
+from nemo_ac.distributed.env import destroy_distributed, exit_process, init_distributed
 from nemo_ac.distributed.mesh import build_meshes
 from nemo_ac.distributed.parallelize import parallelize
 from nemo_ac.distributed.sac_compat import ensure_profiler_ops_sac_ignored
@@ -229,4 +229,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_ac.config import load_recipe, to_dict, validate_recipe
 from nemo_ac.config.schema import DistConfig
-from nemo_ac.distributed.env import destroy_distributed, init_distributed
+from nemo_ac.distributed.env import destroy_distributed, exit_process, init_distributed
 from nemo_ac.models.freeze import parameter_groups
 from nemo_ac.models.init import canonical_name
 from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
@@ -137,4 +137,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
