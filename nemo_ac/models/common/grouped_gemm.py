@@ -81,16 +81,23 @@ def _(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 def _grouped_mm_backward_op(
     grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dx [M, K] = grad @ w[e]^T per group; dw [E, K, N] = x[rows_e]^T @ grad[rows_e] (an empty group: zeros)."""
+    """dx [M, K] = grad @ w[e]^T per group; dw [E, K, N] = x[rows_e]^T @ grad[rows_e] (an empty group: zeros).
+
+    ``dw`` comes out with ``w``'s strides: the weight is stored [E, N, K] and passed transposed, so its gradient
+    is computed as [E, N, K] (grad^T @ x) and handed back transposed; the parameter's gradient is then contiguous
+    and accumulates without a strided copy."""
     grad = grad.contiguous()
     grad_x = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs)
-    grad_w = torch._grouped_mm(x.transpose(0, 1), grad, offs=offs)
+    if w.transpose(-2, -1).is_contiguous():
+        grad_w = torch._grouped_mm(grad.transpose(0, 1), x, offs=offs).transpose(-2, -1)
+    else:
+        grad_w = torch._grouped_mm(x.transpose(0, 1), grad, offs=offs)
     return grad_x, grad_w
 
 
 @_grouped_mm_backward_op.register_fake
 def _(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return x.new_empty(x.shape), w.new_empty(w.shape)
+    return x.new_empty(x.shape), torch.empty_like(w)  # the strides the real kernel returns (see its docstring)
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:

@@ -1,0 +1,137 @@
+"""Measuring one forward + backward honestly: counted FLOPs, tracked peak memory, median time, matmul peak.
+
+- FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` with formulas for what torch 2.13 leaves uncounted on CPU
+  (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, ``aten._grouped_mm``, nemo_ac's
+  ``nemo_ac::grouped_mm`` / ``grouped_mm_backward``). ``model`` counting scores only the visible (causal,
+  same-document) attention pairs; ``executed`` counting scores what the kernel computes (every pair under a dense
+  mask, half under ``is_causal``).
+- Memory on CPU: the peak of bytes allocated through torch's CPU allocator during the step and not yet freed, from
+  the profiler's allocation events (``profile_memory=True``): activations, gradients, temporaries and kernel
+  workspaces; weights, inputs and what existed before the step are not counted. On CUDA:
+  ``torch.cuda.max_memory_allocated`` above the step's start.
+- Peak: ``torch.mm`` throughput at a given shape and dtype, measured in the same process.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+aten = torch.ops.aten
+
+
+def _grouped_mm_flop(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
+    """[M, K] x [E, K, N] (rows split over E groups) or [K, M] x [M, N] -> [E, K, N] (offsets split M)."""
+    if len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+def _grouped_mm_backward_flop(grad_shape: Any, x_shape: Any, w_shape: Any, *args: Any, **kwargs: Any) -> int:
+    return 2 * _grouped_mm_flop(x_shape, w_shape)
+
+
+def _sdpa_formulas(*, visible_fraction: float | None) -> dict[Any, Callable[..., int]]:
+    """CPU flash attention: scaled by ``visible_fraction`` (model FLOPs) or by what the kernel runs (executed)."""
+
+    def scale(is_causal: bool) -> float:
+        if visible_fraction is not None:
+            return visible_fraction
+        return 0.5 if is_causal else 1.0
+
+    def forward(q: Any, k: Any, v: Any, dropout: float = 0.0, is_causal: bool = False, *a: Any, **kw: Any) -> int:
+        return int(sdpa_flop_count(q, k, v) * scale(is_causal))
+
+    def backward(
+        grad: Any,
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        lse: Any,
+        dropout: float = 0.0,
+        is_causal: bool = False,
+        *a: Any,
+        **kw: Any,
+    ) -> int:
+        return int(sdpa_backward_flop_count(grad, q, k, v) * scale(is_causal))
+
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+    }
+
+
+def flop_mapping(*, visible_fraction: float | None) -> dict[Any, Callable[..., int]]:
+    mapping: dict[Any, Callable[..., int]] = {aten._grouped_mm: _grouped_mm_flop}
+    if hasattr(torch.ops, "nemo_ac") and hasattr(torch.ops.nemo_ac, "grouped_mm"):
+        mapping[torch.ops.nemo_ac.grouped_mm] = _grouped_mm_flop
+        mapping[torch.ops.nemo_ac.grouped_mm_backward] = _grouped_mm_backward_flop
+    mapping.update(_sdpa_formulas(visible_fraction=visible_fraction))
+    return mapping
+
+
+def count_flops(step: Callable[[], None], *, visible_fraction: float | None) -> int:
+    """FLOPs of one ``step()`` (forward + backward)."""
+    counter = FlopCounterMode(display=False, custom_mapping=flop_mapping(visible_fraction=visible_fraction))
+    with counter:
+        step()
+    return counter.get_total_flops()
+
+
+def peak_bytes(step: Callable[[], None], *, device: torch.device) -> int:
+    """Peak bytes allocated by one ``step()`` above what existed before it (see the module docstring)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:  # allocations positive, frees negative, in time order
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def time_steps(step: Callable[[], None], *, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Wall seconds of ``repeats`` steps after ``warmup`` untimed ones."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+_PEAKS: dict[tuple[int, int, int, torch.dtype, str], float] = {}
+
+
+def matmul_peak(m: int, k: int, n: int, *, dtype: torch.dtype, device: torch.device) -> float:
+    """Median FLOP/s of ``[m, k] @ [k, n]`` here (cached per shape): the machine's own matmul speed."""
+    key = (m, k, n, dtype, str(device))
+    if key not in _PEAKS:
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        reps = max(3, min(20, int(2e10 / max(1, 2 * m * k * n))))
+        times = time_steps(lambda: a @ b, device=device, warmup=1, repeats=reps)
+        _PEAKS[key] = 2 * m * k * n / statistics.median(times)
+    return _PEAKS[key]

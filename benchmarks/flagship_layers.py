@@ -1,0 +1,356 @@
+"""Every flagship's decoder sub-blocks at the width one GPU rank runs, nemo_ac beside transformers, same process.
+
+    python benchmarks/flagship_layers.py            # all three flagships, fp32 + bf16 (CPU: capped rows, < 10 min)
+    python benchmarks/flagship_layers.py --quick    # fp32, one flagship's rows per kind, fewer repeats (< 3 min)
+    python benchmarks/flagship_layers.py --device cuda   # the same table on a GPU, uncapped (memory caps only)
+
+Rows come from the recipes themselves (``benchmarks/_flagship_shapes.py``: per-rank tokens after CP, heads / cp
+under ulysses, local experts after EP and the rows each receives; caps printed where a row exceeds this machine's
+budget). For each row and dtype, on the same weights and the same input:
+
+- ``nemo_ac``: the sub-block with the recipe's activation checkpointing (selective or full) and the kernels a
+  recipe gets (``experts_impl: auto``); ``nemo_ac no-AC``: the same without checkpointing (the like-for-like
+  comparison with transformers, which has no selective AC); MoE rows add ``nemo_ac loop``, the experts loop;
+- ``transformers``: the transformers 5.x module of the same family as a user's model runs it
+  (``benchmarks/_flagship_peers.py`` says which attention / experts implementation);
+- ``nemo_ac compiled`` (``--compile``): ``torch.compile`` (inductor) of the no-AC sub-block, timed after its compile.
+
+Per row: median step time (forward + backward) with its min-max spread, tracked peak memory (see
+``benchmarks/_measure.py``), model FLOPs (FlopCounterMode, attention counted by visible causal pairs), executed
+FLOPs, achieved FLOP/s and achieved / peak, where peak is ``torch.mm`` at the row's dominant GEMM shape measured in
+this run, and nemo_ac / transformers ratios of time and memory. Where nemo_ac is slower than transformers, a
+profile line names the op that dominates its step. Writes benchmarks/results/flagship_layers{,_quick}.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _flagship_peers as peers
+import torch
+from _common import RESULTS_DIR, cell, machine, markdown_table, write_json
+from _flagship_shapes import Row, flagship_rows
+from _measure import count_flops, matmul_peak, peak_bytes, time_steps
+
+from nemo_ac.config.schema import SelectiveACConfig
+from nemo_ac.distributed.activation_checkpointing import make_selective_checkpoint_context_fn
+from nemo_ac.distributed.blocks import decoder_layers
+from nemo_ac.models import build_model
+from nemo_ac.models.common.experts import GroupedExperts, choose_experts_impl
+from nemo_ac.models.init import init_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _build_layer(row: Row, *, experts_impl: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    cfg = dataclasses.replace(row.model, moe=dataclasses.replace(row.model.moe, experts_impl=experts_impl))
+    model = build_model(cfg, device="meta")
+    layer = decoder_layers(model)[row.layer_idx]
+    layer.to_empty(device=device)
+    init_weights(layer, seed=0, init_std=0.02, family=cfg.family)
+    layer.to(dtype)
+    router = getattr(getattr(layer, "mlp", None), "gate", None)
+    if router is not None and cfg.moe.router_dtype == "float32":
+        router.float()  # the recipe keeps the router in fp32 (its own FSDP unit under bf16 params)
+    return layer
+
+
+def _with_ac(fn: Any, mode: str) -> Any:
+    """The sub-block under the recipe's activation checkpointing (no FSDP here: one process, one sub-block)."""
+    if mode == "none":
+        return fn
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = make_selective_checkpoint_context_fn(config=SelectiveACConfig())
+    return lambda x: torch.utils.checkpoint.checkpoint(fn, x, **kwargs)
+
+
+def _dominant_gemm(row: Row) -> tuple[int, int, int]:
+    m, t = row.model, row.tokens
+    if row.kind.endswith("moe_ffn") or row.kind == "nemotron_moe":
+        moe = m.moe
+        rows = max(1, t * moe.num_experts_per_tok // moe.num_experts)
+        width = moe.latent_size or m.hidden_size
+        return rows, width, moe.moe_intermediate_size * (2 if moe.activation == "silu" else 1)
+    if row.kind == "qwen_linear_mixer":
+        la = m.linear_attention
+        return t, m.hidden_size, 2 * la.num_key_heads * la.key_head_dim + 2 * la.num_value_heads * la.value_head_dim
+    if row.kind == "nemotron_mamba":
+        mb = m.mamba
+        return t, m.hidden_size, 2 * mb.num_heads * mb.head_dim + 2 * mb.n_groups * mb.state_size + mb.num_heads
+    if row.kind == "glm_dense_ffn":
+        return t, m.hidden_size, 2 * m.intermediate_size
+    return t, m.hidden_size, m.num_attention_heads * m.head_dim * (2 if m.attn_output_gate else 1)
+
+
+def _top_op(step: Any) -> str:
+    """The op with the largest self time in one step, with its share: where the time goes."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:3]
+    return ", ".join(f"{e.key} {100 * e.self_cpu_time_total / total:.0f}%" for e in top)
+
+
+def _measure(
+    fn: Any,
+    params: list[torch.nn.Parameter],
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    device: torch.device,
+    repeats: int,
+) -> dict[str, Any]:
+    def step() -> None:
+        inp = x.detach().requires_grad_()
+        fn(inp).backward(grad)
+        for p in params:
+            p.grad = None
+
+    peak = peak_bytes(step, device=device)  # also the warm-up step
+    executed = count_flops(step, visible_fraction=None)
+    times = time_steps(step, device=device, warmup=0, repeats=repeats)
+    return {"step": step, "times": times, "peak_bytes": peak, "executed_flops": executed}
+
+
+def run_row(row: Row, *, dtype_name: str, device: torch.device, repeats: int, compile_: bool) -> list[dict[str, Any]]:
+    dtype = DTYPES[dtype_name]
+    torch.manual_seed(0)
+    x = torch.randn(1, row.tokens, row.model.hidden_size, device=device, dtype=dtype)
+    grad = torch.randn_like(x)
+    visible = (row.tokens + 1) / (2 * row.tokens)  # one causal document per row
+    results: list[dict[str, Any]] = []
+    stacks: list[tuple[str, str, str]] = [("nemo_ac", "auto", row.ac_mode), ("nemo_ac no-AC", "auto", "none")]
+    if row.kind in ("qwen_moe_ffn", "glm_moe_ffn", "nemotron_moe"):
+        stacks.append(("nemo_ac loop no-AC", "loop", "none"))
+    if compile_:
+        stacks.append(("nemo_ac compiled no-AC", "auto", "none"))
+    model_flops = None
+    peak = matmul_peak(*_dominant_gemm(row), dtype=dtype, device=device)
+    nemo_layer = None
+    for stack, experts_impl, ac_mode in stacks:
+        layer = _build_layer(row, experts_impl=experts_impl, dtype=dtype, device=device)
+        nemo_layer = nemo_layer or layer
+        fn = peers.nemo_sub_block(
+            row.kind, model_cfg=row.model, nemo_layer=layer, seq_len=row.tokens, dtype=dtype, device=device
+        )
+        compile_s = None
+        if stack.startswith("nemo_ac compiled"):
+            fn = torch.compile(fn, backend="inductor")
+            started = time.perf_counter()
+            inp = x.detach().requires_grad_()
+            fn(inp).backward(grad)
+            compile_s = time.perf_counter() - started
+        fn = _with_ac(fn, ac_mode)
+        params = list(layer.parameters())
+        measured = _measure(fn, params, x, grad, device=device, repeats=repeats)
+        if model_flops is None and ac_mode == "none":  # what the layer must compute: no recompute counted
+            model_flops = count_flops(measured["step"], visible_fraction=visible)
+        measured.update(
+            stack=stack, ac=ac_mode, impl=f"experts_impl={layer_impl(layer, device=device)}", compile_s=compile_s
+        )
+        results.append(measured)
+    peer = peers.build_peer(
+        row.kind,
+        model_cfg=row.model,
+        nemo_layer=nemo_layer,
+        layer_idx=row.layer_idx,
+        seq_len=row.tokens,
+        dtype=dtype,
+        device=device,
+    )
+    measured = _measure(peer.run, list(peer.module.parameters()), x, grad, device=device, repeats=repeats)
+    measured.update(stack="transformers", ac="none", impl=peer.impl, compile_s=None)
+    results.append(measured)
+    hf_time = statistics.median(measured["times"])
+    hf_peak = measured["peak_bytes"]
+    out = []
+    for r in results:
+        median = statistics.median(r["times"])
+        achieved = model_flops / median
+        slower = r["stack"] == "nemo_ac no-AC" and median > 1.05 * hf_time
+        out.append(
+            {
+                "flagship": row.flagship,
+                "sub_block": row.label,
+                "kind": row.kind,
+                "stack": r["stack"],
+                "impl": r["impl"],
+                "ac": r["ac"],
+                "dtype": dtype_name,
+                "tokens": row.tokens,
+                "caps": row.cap_text(),
+                "median_ms": 1000 * median,
+                "min_ms": 1000 * min(r["times"]),
+                "max_ms": 1000 * max(r["times"]),
+                "peak_mib": r["peak_bytes"] / 2**20,
+                "model_gflop": model_flops / 1e9,
+                "executed_gflop": r["executed_flops"] / 1e9,
+                "achieved_gflops": achieved / 1e9,
+                "peak_gflops": peak / 1e9,
+                "achieved_over_peak": achieved / peak,
+                "time_vs_transformers": median / hf_time,
+                "memory_vs_transformers": r["peak_bytes"] / hf_peak if hf_peak else None,
+                "compile_s": r["compile_s"],
+                "dominant_ops": _top_op(r["step"]) if slower else "",
+            }
+        )
+    return out
+
+
+def layer_impl(layer: torch.nn.Module, *, device: torch.device) -> str:
+    """The experts kernel a recipe gets for this layer (``auto`` resolved as the trainer resolves it)."""
+    experts = [m for m in layer.modules() if isinstance(m, GroupedExperts)]
+    if not experts:
+        return "-"
+    e = experts[0]
+    chosen = choose_experts_impl(
+        e.impl,
+        device_type=device.type,
+        dtype=e.down_proj.dtype,
+        hidden_size=e.hidden_size,
+        intermediate_size=e.intermediate_size,
+    )
+    return f"{e.impl} -> {chosen}" if e.impl == "auto" else chosen
+
+
+HEADERS = [
+    "flagship",
+    "sub-block",
+    "stack",
+    "dtype",
+    "median ms (min-max)",
+    "peak MiB",
+    "model GFLOP",
+    "executed GFLOP",
+    "GFLOP/s",
+    "achieved/peak",
+    "time / transformers",
+    "memory / transformers",
+]
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    rows = [
+        [
+            r["flagship"],
+            r["sub_block"],
+            r["stack"],
+            r["dtype"],
+            f"{r['median_ms']:.0f} ({r['min_ms']:.0f}-{r['max_ms']:.0f})",
+            r["peak_mib"],
+            r["model_gflop"],
+            r["executed_gflop"],
+            r["achieved_gflops"],
+            f"{r['achieved_over_peak']:.2f}",
+            f"{r['time_vs_transformers']:.2f}",
+            cell(r["memory_vs_transformers"], digits=2),
+        ]
+        for r in records
+    ]
+    return markdown_table(headers=HEADERS, rows=rows)
+
+
+def caps_table(rows: list[Row]) -> str:
+    return markdown_table(
+        headers=["flagship", "sub-block", "recipe AC", "tokens", "caps"],
+        rows=[[r.flagship, r.label, r.ac_mode, r.tokens, r.cap_text()] for r in rows],
+    )
+
+
+def chart(records: list[dict[str, Any]], path: Path) -> None:
+    """Achieved / peak per row, nemo_ac (no-AC) beside transformers, one panel per dtype."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): no chart", file=sys.stderr)
+        return
+    dtypes = sorted({r["dtype"] for r in records})
+    fig, axes = plt.subplots(len(dtypes), 1, figsize=(11, 3.2 * len(dtypes)), squeeze=False)
+    for ax, dtype in zip(axes[:, 0], dtypes, strict=True):
+        keep = [r for r in records if r["dtype"] == dtype and r["stack"] in ("nemo_ac no-AC", "transformers")]
+        labels = sorted({f"{r['flagship'].split('_')[0]} {r['sub_block']}" for r in keep}, key=str)
+        for offset, stack in ((-0.2, "nemo_ac no-AC"), (0.2, "transformers")):
+            values = {
+                f"{r['flagship'].split('_')[0]} {r['sub_block']}": r["achieved_over_peak"]
+                for r in keep
+                if r["stack"] == stack
+            }
+            ax.bar(
+                [i + offset for i in range(len(labels))], [values.get(label, 0) for label in labels], 0.4, label=stack
+            )
+        ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("achieved / matmul peak")
+        ax.set_title(f"{dtype}: model FLOP/s over this machine's torch.mm at the row's dominant GEMM")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fp32, one flagship, 2 repeats, half the budget")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtypes", default=None, help="comma list (default float32,bfloat16; --quick float32)")
+    parser.add_argument("--flagships", default=None, help="comma list of qwen3_6, glm_4_5_air, nemotron_super_v3")
+    parser.add_argument("--budget-gflop", type=float, default=None, help="CPU cap per row (default 40; cuda: none)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--compile", action="store_true", help="add nemo_ac compiled (inductor) rows")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    dtypes = (args.dtypes or ("float32" if args.quick else "float32,bfloat16")).split(",")
+    names = args.flagships.split(",") if args.flagships else (["glm_4_5_air"] if args.quick else None)
+    budget = args.budget_gflop if args.budget_gflop is not None else (None if device.type == "cuda" else 40.0)
+    if args.quick and device.type == "cpu":
+        budget = budget / 2
+    repeats = args.repeats or (2 if args.quick else 3)
+    rows = flagship_rows(names, budget_gflop=budget)
+    print(caps_table(rows), flush=True)
+    records = []
+    for row in rows:
+        for dtype in dtypes:
+            row_started = time.perf_counter()
+            got = run_row(row, dtype_name=dtype, device=device, repeats=repeats, compile_=args.compile)
+            records += got
+            print(f"  {row.name} {dtype}: {time.perf_counter() - row_started:.0f} s", file=sys.stderr, flush=True)
+            print(table(got), flush=True)
+    result = table(records)
+    notes = [
+        f"{r['flagship']} {r['sub_block']} {r['dtype']}: {r['dominant_ops']}" for r in records if r["dominant_ops"]
+    ]
+    text = "\n\n".join(
+        [
+            caps_table(rows),
+            result,
+            "Where nemo_ac (no-AC) is slower than transformers, its step's top ops by self time:\n"
+            + ("\n".join(f"- {n}" for n in notes) or "- none"),
+            "Implementations: " + "; ".join(sorted({f"{r['stack']}: {r['impl']}" for r in records})),
+        ]
+    )
+    print(text)
+    stem = "flagship_layers" + ("_quick" if args.quick else "") + ("_cuda" if device.type == "cuda" else "")
+    out = args.out or RESULTS_DIR / f"{stem}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text + "\n")
+    chart(records, out.with_suffix(".png"))
+    payload = {"rows": [dataclasses.asdict(r) | {"caps": r.cap_text()} for r in rows], "records": records}
+    payload["machine_detail"] = machine()
+    write_json(out, payload=payload, table=text, wall_s=time.perf_counter() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
