@@ -68,6 +68,11 @@ _CHILDREN = {
 _NEMOTRON_BLOCK = {"nemotron_mamba": "mamba", "nemotron_attention": "attention", "nemotron_moe": "moe"}
 
 
+def sub_block_children(kind: str) -> tuple[str, ...]:
+    """The decoder layer's children that sub-block ``kind`` uses (same names on both sides)."""
+    return _CHILDREN[kind]
+
+
 @dataclass
 class Peer:
     """A transformers sub-block holding a copy of the nemo_ac weights.

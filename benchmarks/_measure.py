@@ -9,20 +9,37 @@
   the profiler's allocation events (``profile_memory=True``): activations, gradients, temporaries and kernel
   workspaces; weights, inputs and what existed before the step are not counted. On CUDA:
   ``torch.cuda.max_memory_allocated`` above the step's start.
-- Peak: ``torch.mm`` throughput at a given shape and dtype, measured in the same process.
+- Peak: ``F.linear`` (the layers' own GEMM form, ``x @ W^T``) throughput at a given shape and dtype, measured in
+  the same process.
+- Allocator: on Linux/glibc the benchmark keeps freed memory in the process (``keep_freed_memory``). Without it each
+  large tensor is a fresh ``mmap`` whose pages fault in on first touch, and glibc's adaptive mmap threshold makes
+  whichever stack runs first in a process pay more of them (seen here: the same sub-block 3x slower as the first
+  stack than as the third, with more system than user time).
 """
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters
+
+
+def keep_freed_memory() -> bool:
+    """glibc: never ``mmap`` an allocation and never give freed memory back, so every stack of every row reuses the
+    same warm pages (see the module docstring). Returns False where this is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def _grouped_mm_flop(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
@@ -67,8 +84,26 @@ def _sdpa_formulas(*, visible_fraction: float | None) -> dict[Any, Callable[...,
     }
 
 
+_CUDA_SDPA = (
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_cudnn_attention,
+    aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_cudnn_attention_backward,
+)
+
+
+def _scaled(formula: Callable[..., int], fraction: float) -> Callable[..., int]:
+    return lambda *args, **kwargs: int(formula(*args, **kwargs) * fraction)
+
+
 def flop_mapping(*, visible_fraction: float | None) -> dict[Any, Callable[..., int]]:
     mapping: dict[Any, Callable[..., int]] = {aten._grouped_mm: _grouped_mm_flop}
+    if visible_fraction is not None:  # CUDA kernels: torch's own formulas (dense), scaled to the visible pairs
+        for op in _CUDA_SDPA:
+            if op in flop_registry:
+                mapping[op] = _scaled(flop_registry[op], visible_fraction)
     if hasattr(torch.ops, "nemo_ac") and hasattr(torch.ops.nemo_ac, "grouped_mm"):
         mapping[torch.ops.nemo_ac.grouped_mm] = _grouped_mm_flop
         mapping[torch.ops.nemo_ac.grouped_mm_backward] = _grouped_mm_backward_flop
@@ -126,12 +161,12 @@ _PEAKS: dict[tuple[int, int, int, torch.dtype, str], float] = {}
 
 
 def matmul_peak(m: int, k: int, n: int, *, dtype: torch.dtype, device: torch.device) -> float:
-    """Median FLOP/s of ``[m, k] @ [k, n]`` here (cached per shape): the machine's own matmul speed."""
+    """Median FLOP/s of ``F.linear([m, k], [n, k])`` here (cached per shape): the machine's own matmul speed."""
     key = (m, k, n, dtype, str(device))
     if key not in _PEAKS:
         a = torch.randn(m, k, dtype=dtype, device=device)
-        b = torch.randn(k, n, dtype=dtype, device=device)
-        reps = max(3, min(20, int(2e10 / max(1, 2 * m * k * n))))
-        times = time_steps(lambda: a @ b, device=device, warmup=1, repeats=reps)
+        w = torch.randn(n, k, dtype=dtype, device=device)
+        reps = max(5, min(20, int(2e10 / max(1, 2 * m * k * n))))
+        times = time_steps(lambda: torch.nn.functional.linear(a, w), device=device, warmup=2, repeats=reps)
         _PEAKS[key] = 2 * m * k * n / statistics.median(times)
     return _PEAKS[key]

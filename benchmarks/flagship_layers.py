@@ -13,7 +13,8 @@ budget). For each row and dtype, on the same weights and the same input:
   comparison with transformers, which has no selective AC); MoE rows add ``nemo_ac loop``, the experts loop;
 - ``transformers``: the transformers 5.x module of the same family as a user's model runs it
   (``benchmarks/_flagship_peers.py`` says which attention / experts implementation);
-- ``nemo_ac compiled`` (``--compile``): ``torch.compile`` (inductor) of the no-AC sub-block, timed after its compile.
+- ``nemo_ac compiled no-AC``: ``torch.compile`` (inductor) of the no-AC sub-block, timed after its compile (the
+  compile's own time is in the JSON; ``--no-compile`` skips these rows).
 
 Per row: median step time (forward + backward) with its min-max spread, tracked peak memory (see
 ``benchmarks/_measure.py``), model FLOPs (FlopCounterMode, attention counted by visible causal pairs), executed
@@ -36,7 +37,7 @@ import _flagship_peers as peers
 import torch
 from _common import RESULTS_DIR, cell, machine, markdown_table, write_json
 from _flagship_shapes import Row, flagship_rows
-from _measure import count_flops, matmul_peak, peak_bytes, time_steps
+from _measure import count_flops, keep_freed_memory, matmul_peak, peak_bytes, time_steps
 
 from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.distributed.activation_checkpointing import make_selective_checkpoint_context_fn
@@ -52,6 +53,10 @@ def _build_layer(row: Row, *, experts_impl: str, dtype: torch.dtype, device: tor
     cfg = dataclasses.replace(row.model, moe=dataclasses.replace(row.model.moe, experts_impl=experts_impl))
     model = build_model(cfg, device="meta")
     layer = decoder_layers(model)[row.layer_idx]
+    used = peers.sub_block_children(row.kind)
+    for name, _ in list(layer.named_children()):
+        if name not in used:  # e.g. a mixer row's 128-expert MoE: never materialized (9 GB in fp32)
+            setattr(layer, name, None)
     layer.to_empty(device=device)
     init_weights(layer, seed=0, init_std=0.02, family=cfg.family)
     layer.to(dtype)
@@ -77,7 +82,12 @@ def _dominant_gemm(row: Row) -> tuple[int, int, int]:
         moe = m.moe
         rows = max(1, t * moe.num_experts_per_tok // moe.num_experts)
         width = moe.latent_size or m.hidden_size
-        return rows, width, moe.moe_intermediate_size * (2 if moe.activation == "silu" else 1)
+        gated = 2 if moe.activation == "silu" else 1
+        routed = (rows, width, moe.moe_intermediate_size * gated)
+        shared = (t, m.hidden_size, moe.shared_expert_intermediate_size * gated)
+        # the GEMM shape with the most FLOPs in the row: a routed expert's (times all experts) or the shared one
+        routed_flops = moe.num_experts * rows * width * moe.moe_intermediate_size
+        return routed if routed_flops >= t * m.hidden_size * moe.shared_expert_intermediate_size else shared
     if row.kind == "qwen_linear_mixer":
         la = m.linear_attention
         return t, m.hidden_size, 2 * la.num_key_heads * la.key_head_dim + 2 * la.num_value_heads * la.value_head_dim
@@ -304,18 +314,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtypes", default=None, help="comma list (default float32,bfloat16; --quick float32)")
     parser.add_argument("--flagships", default=None, help="comma list of qwen3_6, glm_4_5_air, nemotron_super_v3")
-    parser.add_argument("--budget-gflop", type=float, default=None, help="CPU cap per row (default 40; cuda: none)")
+    parser.add_argument("--budget-gflop", type=float, default=None, help="CPU cap per row (default 160; cuda: none)")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--compile", action="store_true", help="add nemo_ac compiled (inductor) rows")
+    parser.add_argument("--no-compile", action="store_true", help="skip the nemo_ac compiled (inductor) rows")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     device = torch.device(args.device)
+    if device.type == "cpu":
+        keep_freed_memory()
     dtypes = (args.dtypes or ("float32" if args.quick else "float32,bfloat16")).split(",")
     names = args.flagships.split(",") if args.flagships else (["glm_4_5_air"] if args.quick else None)
-    budget = args.budget_gflop if args.budget_gflop is not None else (None if device.type == "cuda" else 40.0)
+    budget = args.budget_gflop if args.budget_gflop is not None else (None if device.type == "cuda" else 160.0)
     if args.quick and device.type == "cpu":
-        budget = budget / 2
+        budget = budget / 4
     repeats = args.repeats or (2 if args.quick else 3)
     rows = flagship_rows(names, budget_gflop=budget)
     print(caps_table(rows), flush=True)
@@ -323,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         for dtype in dtypes:
             row_started = time.perf_counter()
-            got = run_row(row, dtype_name=dtype, device=device, repeats=repeats, compile_=args.compile)
+            got = run_row(row, dtype_name=dtype, device=device, repeats=repeats, compile_=not args.no_compile)
             records += got
             print(f"  {row.name} {dtype}: {time.perf_counter() - row_started:.0f} s", file=sys.stderr, flush=True)
             print(table(got), flush=True)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from _common import RESULTS_DIR, markdown_table, write_json
 from _flagship_shapes import flagship_rows
+from _measure import keep_freed_memory
 from flagship_layers import _build_layer, _measure, _top_op
 
 from nemo_ac.models.common.experts import GroupedExperts
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    torch.set_num_threads(torch.get_num_threads())
+    keep_freed_memory()
     cases = [(16, 256), (64, 256)] if args.quick else [(16, 256), (64, 256), (16, 1024), (64, 1024)]
     records = [r for experts, tokens in cases for r in run_case(experts, tokens, repeats=args.repeats)]
     rows = [

@@ -61,13 +61,13 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, document_ids: to
     """
     kernel = weight.shape[-1]
     seq = x.shape[1]
-    w = weight.to(x.dtype)
-    out = x * w[..., kernel - 1]
+    taps = weight.to(x.dtype).unbind(-1)  # one split: per-tap indexing would write a full-size gradient per tap
+    out = x * taps[kernel - 1]
     for shift in range(1, min(kernel, seq)):
         prev = F.pad(x[:, : seq - shift], (0, 0, 0, 0, shift, 0))
         same = document_ids[:, shift:] == document_ids[:, :-shift]
         same = torch.cat((torch.zeros_like(same[:, :1]).expand(-1, shift), same), dim=1)
-        out = out + prev * same[:, :, None, None].to(x.dtype) * w[..., kernel - 1 - shift]
+        out = out + prev * same[:, :, None, None].to(x.dtype) * taps[kernel - 1 - shift]
     return F.silu(out)
 
 

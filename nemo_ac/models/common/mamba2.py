@@ -107,9 +107,10 @@ def causal_depthwise_conv1d(
     s, k = x.shape[1], weight.shape[-1]
     padded = F.pad(x, (0, 0, k - 1, 0))
     out = None
+    taps = weight.unbind(-1)  # one split: per-tap indexing would write a full-size gradient per tap
     for j in range(k):
         shift = k - 1 - j
-        term = padded[:, j : j + s] * weight[:, j]
+        term = padded[:, j : j + s] * taps[j]
         if shift:
             earlier = F.pad(segments, (shift, 0), value=-1)[:, :s]
             term = term * (earlier == segments).unsqueeze(-1).to(term.dtype)

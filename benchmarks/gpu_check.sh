@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU check: under 8 minutes on one GPU. Not used by tests or CI (no GPU there).
+#   bash benchmarks/gpu_check.sh            # from the repository root, with .venv built (make install)
+# 1. tiny recipes on NCCL with inductor (1 rank each: one GPU), bf16 parameters, selective AC where the recipe sets it;
+# 2. the flagship layer benchmark with --device cuda (real per-rank shapes, memory caps only), --quick first;
+# 3. the CUDA-only kernels that are installed (Transformer Engine, DeepEP) are named, and absent ones said so.
+# Every step runs under its own timeout and the script goes on after a failure; its exit status counts failures.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d -t nemo_ac_gpu_inductor.XXXXXX)}"
+OUT=${OUT:-runs/gpu_check}
+mkdir -p "$OUT"
+failures=0
+
+step() {  # step NAME TIMEOUT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s)"
+  local started=$SECONDS
+  if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then
+    echo "ok $name in $((SECONDS - started)) s"
+  else
+    echo "FAILED $name (exit $?) in $((SECONDS - started)) s; tail:"
+    failures=$((failures + 1))
+  fi
+  grep -E "^(nemo_ac|kernels|compile|summary) \|" "$OUT/$name.log" | tail -4
+  tail -n 3 "$OUT/$name.log"
+}
+
+"$PY" - <<'EOF'
+import importlib.util, torch
+print("torch", torch.__version__, "| cuda", torch.version.cuda, "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA")
+for mod in ("transformer_engine", "deep_ep", "fla", "mamba_ssm", "causal_conv1d"):
+    print(f"  {mod}: {'installed' if importlib.util.find_spec(mod) else 'not installed'}")
+EOF
+
+GPU=(dist.backend=nccl dist.device=cuda parallel.fsdp.param_dtype=bfloat16 compile.enabled=true train.steps=6)
+step tiny_qwen3_moe 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.train recipes/tiny/qwen3_moe_tiny.yaml \
+  "${GPU[@]}" logging.run_dir="$OUT/qwen3_moe" logging.progress_bar=never
+step tiny_qwen3_6_medpix 180 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.train \
+  recipes/tiny/qwen3_6_medpix_tiny.yaml "${GPU[@]}" parallel.ep=1 parallel.cp=1 logging.run_dir="$OUT/qwen3_6" \
+  logging.progress_bar=never
+step tiny_nemotron 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.train \
+  recipes/tiny/nemotron_super_v3_tiny.yaml "${GPU[@]}" parallel.ep=1 logging.run_dir="$OUT/nemotron" \
+  logging.progress_bar=never
+step flagship_layers_quick_cuda 150 "$PY" benchmarks/flagship_layers.py --quick --device cuda
+step flagship_layers_cuda 240 "$PY" benchmarks/flagship_layers.py --device cuda --dtypes bfloat16
+echo "gpu_check: $failures failed step(s); logs in $OUT"
+exit "$failures"
