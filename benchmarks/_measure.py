@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import statistics
 import time
@@ -30,6 +31,25 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backwa
 
 aten = torch.ops.aten
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters
+
+
+_M_MMAP_THRESHOLD = -3
+
+
+def fixed_mmap_threshold(nbytes: int = 32 << 20) -> bool:
+    """glibc: a fixed mmap threshold (no adaptive one): every allocation above ``nbytes`` is a fresh ``mmap`` for
+    every stack alike. For runs whose single stacks are large (``moe_experts.py``), where keeping every freed page
+    (``keep_freed_memory``) fragments the heap past this machine's memory."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, nbytes))
+    except OSError:
+        return False
+
+
+def release_free_memory() -> None:
+    """glibc: hand the heap's free pages back (between rows, so memory stays bounded over a long run)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def keep_freed_memory() -> bool:

@@ -13,8 +13,12 @@ budget). For each row and dtype, on the same weights and the same input:
   comparison with transformers, which has no selective AC); MoE rows add ``nemo_ac loop``, the experts loop;
 - ``transformers``: the transformers 5.x module of the same family as a user's model runs it
   (``benchmarks/_flagship_peers.py`` says which attention / experts implementation);
+- ``automodel``: NeMo Automodel 0.7.0's own layer (``benchmarks/_automodel_peers.py``), when it is installed
+  (``pip install -c constraints.txt nemo-automodel==0.7.0``; not a dependency); rows where it does not run say why;
 - ``nemo_ac compiled no-AC``: ``torch.compile`` (inductor) of the no-AC sub-block, timed after its compile (the
-  compile's own time is in the JSON; ``--no-compile`` skips these rows).
+  compile's own time is in the JSON; ``--no-compile`` skips these rows). Not for the Gated DeltaNet / Mamba-2 rows
+  unless ``--compile-recurrent``: their torch reference loops over chunks in Python and a cold compile at the row's
+  length did not finish in 6 minutes here.
 
 Per row: median step time (forward + backward) with its min-max spread, tracked peak memory (see
 ``benchmarks/_measure.py``), model FLOPs (FlopCounterMode, attention counted by visible causal pairs), executed
@@ -27,17 +31,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import _automodel_peers as automodel_peers
 import _flagship_peers as peers
 import torch
 from _common import RESULTS_DIR, cell, machine, markdown_table, write_json
 from _flagship_shapes import Row, flagship_rows
-from _measure import count_flops, keep_freed_memory, matmul_peak, peak_bytes, time_steps
+from _measure import count_flops, keep_freed_memory, matmul_peak, peak_bytes, release_free_memory, time_steps
 
 from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.distributed.activation_checkpointing import make_selective_checkpoint_context_fn
@@ -87,7 +93,7 @@ def _dominant_gemm(row: Row) -> tuple[int, int, int]:
         shared = (t, m.hidden_size, moe.shared_expert_intermediate_size * gated)
         # the GEMM shape with the most FLOPs in the row: a routed expert's (times all experts) or the shared one
         routed_flops = moe.num_experts * rows * width * moe.moe_intermediate_size
-        return routed if routed_flops >= t * m.hidden_size * moe.shared_expert_intermediate_size else shared
+        return routed if routed_flops > t * m.hidden_size * moe.shared_expert_intermediate_size else shared
     if row.kind == "qwen_linear_mixer":
         la = m.linear_attention
         return t, m.hidden_size, 2 * la.num_key_heads * la.key_head_dim + 2 * la.num_value_heads * la.value_head_dim
@@ -96,7 +102,10 @@ def _dominant_gemm(row: Row) -> tuple[int, int, int]:
         return t, m.hidden_size, 2 * mb.num_heads * mb.head_dim + 2 * mb.n_groups * mb.state_size + mb.num_heads
     if row.kind == "glm_dense_ffn":
         return t, m.hidden_size, 2 * m.intermediate_size
-    return t, m.hidden_size, m.num_attention_heads * m.head_dim * (2 if m.attn_output_gate else 1)
+    q_out = m.num_attention_heads * m.head_dim * (2 if m.attn_output_gate else 1)
+    # the attention core's Q K^T per head ([S, d] x [d, S], half visible) when it outweighs the projections
+    core = m.num_attention_heads * t * t * m.head_dim // 2
+    return (t, m.head_dim, t) if core > t * m.hidden_size * 2 * q_out else (t, m.hidden_size, q_out)
 
 
 def _top_op(step: Any) -> str:
@@ -117,6 +126,7 @@ def _measure(
     *,
     device: torch.device,
     repeats: int,
+    count_executed: bool = True,
 ) -> dict[str, Any]:
     def step() -> None:
         inp = x.detach().requires_grad_()
@@ -125,29 +135,75 @@ def _measure(
             p.grad = None
 
     peak = peak_bytes(step, device=device)  # also the warm-up step
-    executed = count_flops(step, visible_fraction=None)
+    # Not for Automodel: its torch.compile(fullgraph=True) expert activations refuse FlopCounterMode's dispatch mode
+    # ("non-infra torch dispatch mode present"), and the failed frame then stays skipped for the timed steps.
+    executed = count_flops(step, visible_fraction=None) if count_executed else None
     times = time_steps(step, device=device, warmup=0, repeats=repeats)
     return {"step": step, "times": times, "peak_bytes": peak, "executed_flops": executed}
 
 
-def run_row(row: Row, *, dtype_name: str, device: torch.device, repeats: int, compile_: bool) -> list[dict[str, Any]]:
+# The torch reference Gated DeltaNet / Mamba-2 loop over chunks in Python: inductor unrolls the loop, and a cold
+# compile of one such layer at the flagship row's length did not finish in 6 minutes here (first run, 2 cores).
+RECURRENT = ("qwen_linear_mixer", "nemotron_mamba")
+
+
+SKIPPED: list[str] = []  # rows a peer stack could not run, with the reason
+
+
+def run_row(
+    row: Row, *, dtype_name: str, device: torch.device, repeats: int, compile_: bool, compile_recurrent: bool = False
+) -> list[dict[str, Any]]:
     dtype = DTYPES[dtype_name]
     torch.manual_seed(0)
     x = torch.randn(1, row.tokens, row.model.hidden_size, device=device, dtype=dtype)
     grad = torch.randn_like(x)
     visible = (row.tokens + 1) / (2 * row.tokens)  # one causal document per row
     results: list[dict[str, Any]] = []
+    skipped = SKIPPED
     stacks: list[tuple[str, str, str]] = [("nemo_ac", "auto", row.ac_mode), ("nemo_ac no-AC", "auto", "none")]
     if row.kind in ("qwen_moe_ffn", "glm_moe_ffn", "nemotron_moe"):
         stacks.append(("nemo_ac loop no-AC", "loop", "none"))
-    if compile_:
+    if compile_ and (row.kind not in RECURRENT or compile_recurrent):
         stacks.append(("nemo_ac compiled no-AC", "auto", "none"))
-    model_flops = None
     peak = matmul_peak(*_dominant_gemm(row), dtype=dtype, device=device)
-    nemo_layer = None
+    # The weights every stack starts from (peers copy them); each stack's own module is dropped once measured, so
+    # at most two copies of the row's weights are alive.
+    reference = _build_layer(row, experts_impl="auto", dtype=dtype, device=device)
+    peer = peers.build_peer(
+        row.kind,
+        model_cfg=row.model,
+        nemo_layer=reference,
+        layer_idx=row.layer_idx,
+        seq_len=row.tokens,
+        dtype=dtype,
+        device=device,
+    )
+    measured = _measure(peer.run, list(peer.module.parameters()), x, grad, device=device, repeats=repeats)
+    measured.update(stack="transformers", ac="none", impl=peer.impl, compile_s=None, profile="")
+    del peer
+    results.append(measured)
+    hf_time = statistics.median(measured["times"])
+    if automodel_peers.automodel_available():
+        am = automodel_peers.build_automodel_peer(
+            row.kind,
+            model_cfg=row.model,
+            nemo_layer=reference,
+            layer_idx=row.layer_idx,
+            seq_len=row.tokens,
+            dtype=dtype,
+            device=device,
+        )
+        if am is None:
+            skipped.append(f"{row.name} {dtype_name}: {automodel_peers.UNSUPPORTED.get(row.kind, 'unsupported')}")
+        else:
+            params = list(am.module.parameters())
+            measured = _measure(am.run, params, x, grad, device=device, repeats=repeats, count_executed=False)
+            measured.update(stack="automodel", ac="none", impl=am.impl, compile_s=None, profile="")
+            results.append(measured)
+        del am
+    model_flops = None
     for stack, experts_impl, ac_mode in stacks:
         layer = _build_layer(row, experts_impl=experts_impl, dtype=dtype, device=device)
-        nemo_layer = nemo_layer or layer
         fn = peers.nemo_sub_block(
             row.kind, model_cfg=row.model, nemo_layer=layer, seq_len=row.tokens, dtype=dtype, device=device
         )
@@ -163,29 +219,25 @@ def run_row(row: Row, *, dtype_name: str, device: torch.device, repeats: int, co
         measured = _measure(fn, params, x, grad, device=device, repeats=repeats)
         if model_flops is None and ac_mode == "none":  # what the layer must compute: no recompute counted
             model_flops = count_flops(measured["step"], visible_fraction=visible)
+        slower = stack == "nemo_ac no-AC" and statistics.median(measured["times"]) > 1.05 * hf_time
         measured.update(
-            stack=stack, ac=ac_mode, impl=f"experts_impl={layer_impl(layer, device=device)}", compile_s=compile_s
+            stack=stack,
+            ac=ac_mode,
+            impl=f"experts_impl={layer_impl(layer, device=device)}",
+            compile_s=compile_s,
+            profile=_top_op(measured["step"]) if slower else "",
         )
+        del layer, fn, params
+        measured.pop("step")
         results.append(measured)
-    peer = peers.build_peer(
-        row.kind,
-        model_cfg=row.model,
-        nemo_layer=nemo_layer,
-        layer_idx=row.layer_idx,
-        seq_len=row.tokens,
-        dtype=dtype,
-        device=device,
-    )
-    measured = _measure(peer.run, list(peer.module.parameters()), x, grad, device=device, repeats=repeats)
-    measured.update(stack="transformers", ac="none", impl=peer.impl, compile_s=None)
-    results.append(measured)
-    hf_time = statistics.median(measured["times"])
-    hf_peak = measured["peak_bytes"]
+    for r in results:
+        r.pop("step", None)
+    del reference
+    hf_peak = next(r["peak_bytes"] for r in results if r["stack"] == "transformers")
     out = []
     for r in results:
         median = statistics.median(r["times"])
         achieved = model_flops / median
-        slower = r["stack"] == "nemo_ac no-AC" and median > 1.05 * hf_time
         out.append(
             {
                 "flagship": row.flagship,
@@ -202,14 +254,14 @@ def run_row(row: Row, *, dtype_name: str, device: torch.device, repeats: int, co
                 "max_ms": 1000 * max(r["times"]),
                 "peak_mib": r["peak_bytes"] / 2**20,
                 "model_gflop": model_flops / 1e9,
-                "executed_gflop": r["executed_flops"] / 1e9,
+                "executed_gflop": None if r["executed_flops"] is None else r["executed_flops"] / 1e9,
                 "achieved_gflops": achieved / 1e9,
                 "peak_gflops": peak / 1e9,
                 "achieved_over_peak": achieved / peak,
                 "time_vs_transformers": median / hf_time,
                 "memory_vs_transformers": r["peak_bytes"] / hf_peak if hf_peak else None,
                 "compile_s": r["compile_s"],
-                "dominant_ops": _top_op(r["step"]) if slower else "",
+                "dominant_ops": r["profile"],
             }
         )
     return out
@@ -268,15 +320,84 @@ def table(records: list[dict[str, Any]]) -> str:
     return markdown_table(headers=HEADERS, rows=rows)
 
 
-def caps_table(rows: list[Row]) -> str:
+def summary_table(records: list[dict[str, Any]]) -> str:
+    """One line per sub-block and dtype: every stack's median time, and nemo_ac (no-AC) against transformers."""
+    lines = []
+    keys = list(dict.fromkeys((r["flagship"], r["sub_block"], r["dtype"]) for r in records))
+    for key in keys:
+        by_stack = {r["stack"]: r for r in records if (r["flagship"], r["sub_block"], r["dtype"]) == key}
+
+        def ms(stack: str, by_stack: dict[str, dict[str, Any]] = by_stack) -> str:
+            r = by_stack.get(stack)
+            return "—" if r is None else f"{r['median_ms']:.0f}"
+
+        nemo, hf = by_stack["nemo_ac no-AC"], by_stack["transformers"]
+        am = by_stack.get("automodel")
+        lines.append(
+            [
+                key[0].split("_")[0],
+                key[1],
+                key[2],
+                ms("nemo_ac"),
+                ms("nemo_ac no-AC"),
+                ms("nemo_ac compiled no-AC"),
+                ms("nemo_ac loop no-AC"),
+                ms("transformers"),
+                ms("automodel"),
+                f"{nemo['time_vs_transformers']:.2f}",
+                cell(nemo["memory_vs_transformers"], digits=2),
+                f"{nemo['achieved_over_peak']:.2f} / {hf['achieved_over_peak']:.2f}"
+                + (f" / {am['achieved_over_peak']:.2f}" if am else ""),
+                nemo["model_gflop"],
+            ]
+        )
+    return markdown_table(
+        headers=[
+            "flagship",
+            "sub-block",
+            "dtype",
+            "nemo_ac (recipe AC) ms",
+            "nemo_ac ms",
+            "compiled ms",
+            "loop ms",
+            "transformers ms",
+            "automodel ms",
+            "time nemo_ac / HF",
+            "memory nemo_ac / HF",
+            "achieved/peak nemo_ac / HF / AM",
+            "model GFLOP",
+        ],
+        rows=lines,
+    )
+
+
+def caps_table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(
         headers=["flagship", "sub-block", "recipe AC", "tokens", "caps"],
-        rows=[[r.flagship, r.label, r.ac_mode, r.tokens, r.cap_text()] for r in rows],
+        rows=[[r["flagship"], r["label"], r["ac_mode"], r["tokens"], r["caps"]] for r in rows],
+    )
+
+
+def render(rows: list[dict[str, Any]], records: list[dict[str, Any]], *, automodel: str) -> str:
+    """The markdown report: caps, the one-line-per-row summary, every measurement, profiles, implementations."""
+    notes = [
+        f"{r['flagship']} {r['sub_block']} {r['dtype']}: {r['dominant_ops']}" for r in records if r["dominant_ops"]
+    ]
+    return "\n\n".join(
+        [
+            caps_table(rows),
+            summary_table(records),
+            table(records),
+            "Where nemo_ac (no-AC) is slower than transformers, its step's top ops by self time:\n"
+            + ("\n".join(f"- {n}" for n in notes) or "- none"),
+            f"NeMo Automodel: {automodel}",
+            "Implementations: " + "; ".join(sorted({f"{r['stack']}: {r['impl']}" for r in records})),
+        ]
     )
 
 
 def chart(records: list[dict[str, Any]], path: Path) -> None:
-    """Achieved / peak per row, nemo_ac (no-AC) beside transformers, one panel per dtype."""
+    """Achieved / peak per row, nemo_ac (no-AC) beside transformers (and Automodel), one panel per dtype."""
     try:
         import matplotlib
 
@@ -288,20 +409,23 @@ def chart(records: list[dict[str, Any]], path: Path) -> None:
     dtypes = sorted({r["dtype"] for r in records})
     fig, axes = plt.subplots(len(dtypes), 1, figsize=(11, 3.2 * len(dtypes)), squeeze=False)
     for ax, dtype in zip(axes[:, 0], dtypes, strict=True):
-        keep = [r for r in records if r["dtype"] == dtype and r["stack"] in ("nemo_ac no-AC", "transformers")]
+        stacks = [s for s in ("nemo_ac no-AC", "transformers", "automodel") if any(r["stack"] == s for r in records)]
+        keep = [r for r in records if r["dtype"] == dtype and r["stack"] in stacks]
         labels = sorted({f"{r['flagship'].split('_')[0]} {r['sub_block']}" for r in keep}, key=str)
-        for offset, stack in ((-0.2, "nemo_ac no-AC"), (0.2, "transformers")):
+        width = 0.8 / len(stacks)
+        for n, stack in enumerate(stacks):
+            offset = (n - (len(stacks) - 1) / 2) * width
             values = {
                 f"{r['flagship'].split('_')[0]} {r['sub_block']}": r["achieved_over_peak"]
                 for r in keep
                 if r["stack"] == stack
             }
             ax.bar(
-                [i + offset for i in range(len(labels))], [values.get(label, 0) for label in labels], 0.4, label=stack
+                [i + offset for i in range(len(labels))], [values.get(label, 0) for label in labels], width, label=stack
             )
         ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
         ax.set_ylabel("achieved / matmul peak")
-        ax.set_title(f"{dtype}: model FLOP/s over this machine's torch.mm at the row's dominant GEMM")
+        ax.set_title(f"{dtype}: model FLOP/s over this machine's F.linear at the row's dominant GEMM")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
@@ -314,51 +438,68 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtypes", default=None, help="comma list (default float32,bfloat16; --quick float32)")
     parser.add_argument("--flagships", default=None, help="comma list of qwen3_6, glm_4_5_air, nemotron_super_v3")
-    parser.add_argument("--budget-gflop", type=float, default=None, help="CPU cap per row (default 160; cuda: none)")
+    parser.add_argument("--kinds", default=None, help="comma list of sub-block kinds (_flagship_peers.KINDS)")
+    parser.add_argument("--budget-gflop", type=float, default=None, help="CPU cap per row (default 120; cuda: none)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--no-compile", action="store_true", help="skip the nemo_ac compiled (inductor) rows")
+    parser.add_argument(
+        "--compile-recurrent", action="store_true", help="also compile the Gated DeltaNet / Mamba-2 rows (slow)"
+    )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--render", type=Path, default=None, help="re-render the .md / .png of a results JSON")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        data = json.loads(args.render.read_text())
+        automodel = data.get("automodel", "")
+        args.render.with_suffix(".md").write_text(render(data["rows"], data["records"], automodel=automodel) + "\n")
+        chart(data["records"], args.render.with_suffix(".png"))
+        return 0
     started = time.perf_counter()
     device = torch.device(args.device)
     if device.type == "cpu":
         keep_freed_memory()
     dtypes = (args.dtypes or ("float32" if args.quick else "float32,bfloat16")).split(",")
     names = args.flagships.split(",") if args.flagships else (["glm_4_5_air"] if args.quick else None)
-    budget = args.budget_gflop if args.budget_gflop is not None else (None if device.type == "cuda" else 160.0)
+    budget = args.budget_gflop if args.budget_gflop is not None else (None if device.type == "cuda" else 120.0)
     if args.quick and device.type == "cpu":
         budget = budget / 4
     repeats = args.repeats or (2 if args.quick else 3)
     rows = flagship_rows(names, budget_gflop=budget)
-    print(caps_table(rows), flush=True)
+    if args.kinds:
+        rows = [r for r in rows if r.kind in args.kinds.split(",")]
+    print(caps_table([dataclasses.asdict(r) | {"caps": r.cap_text()} for r in rows]), flush=True)
     records = []
     for row in rows:
         for dtype in dtypes:
             row_started = time.perf_counter()
-            got = run_row(row, dtype_name=dtype, device=device, repeats=repeats, compile_=not args.no_compile)
+            got = run_row(
+                row,
+                dtype_name=dtype,
+                device=device,
+                repeats=repeats,
+                compile_=not args.no_compile,
+                compile_recurrent=args.compile_recurrent,
+            )
             records += got
+            release_free_memory()  # the next row starts from a trimmed heap (keep_freed_memory keeps it otherwise)
             print(f"  {row.name} {dtype}: {time.perf_counter() - row_started:.0f} s", file=sys.stderr, flush=True)
             print(table(got), flush=True)
-    result = table(records)
-    notes = [
-        f"{r['flagship']} {r['sub_block']} {r['dtype']}: {r['dominant_ops']}" for r in records if r["dominant_ops"]
-    ]
-    text = "\n\n".join(
-        [
-            caps_table(rows),
-            result,
-            "Where nemo_ac (no-AC) is slower than transformers, its step's top ops by self time:\n"
-            + ("\n".join(f"- {n}" for n in notes) or "- none"),
-            "Implementations: " + "; ".join(sorted({f"{r['stack']}: {r['impl']}" for r in records})),
-        ]
+    automodel = (
+        ("does not run for " + "; ".join(SKIPPED))
+        if SKIPPED
+        else "every row ran"
+        if automodel_peers.automodel_available()
+        else "not installed (pip install -c constraints.txt nemo-automodel==0.7.0 adds its rows)"
     )
+    row_info = [dataclasses.asdict(r) | {"caps": r.cap_text(), "name": r.name} for r in rows]
+    text = render(row_info, records, automodel=automodel)
     print(text)
     stem = "flagship_layers" + ("_quick" if args.quick else "") + ("_cuda" if device.type == "cuda" else "")
     out = args.out or RESULTS_DIR / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text + "\n")
     chart(records, out.with_suffix(".png"))
-    payload = {"rows": [dataclasses.asdict(r) | {"caps": r.cap_text()} for r in rows], "records": records}
+    payload = {"rows": row_info, "records": records, "automodel": automodel}
     payload["machine_detail"] = machine()
     write_json(out, payload=payload, table=text, wall_s=time.perf_counter() - started)
     return 0

@@ -167,6 +167,12 @@ class FSDPConfig:
     # none: FSDP2's implicit order. explicit: each block prefetches the next block and its expert/router units.
     forward_prefetch: Literal["none", "explicit"] = "none"
     backward_prefetch: Literal["default", "explicit"] = "default"
+    # Gradient reduction during accumulation. every_micro_batch: reduce-scatter (HSDP: and all-reduce) after every
+    # micro batch's backward, holding only sharded gradients. last_micro_batch: accumulate unsharded gradients locally
+    # and reduce once per step (FSDP2 set_requires_gradient_sync): fewer collectives, but every FSDP unit keeps a full
+    # unsharded gradient from the first micro batch's backward until the last one's (model size x grad dtype bytes
+    # per rank instead of 1/dp_shard of it).
+    reduce_grads: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
 
 
 @dataclass

@@ -115,3 +115,10 @@ def _set_prefetch(blocks: list[FSDPModule], nested: list[list[FSDPModule]], conf
     if config.backward_prefetch == "explicit":
         for i in range(1, len(blocks)):
             blocks[i].set_modules_to_backward_prefetch([blocks[i - 1], *nested[i - 1]])
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward reduces gradients (FSDP2 ``set_requires_gradient_sync`` on every unit of the
+    model: nested expert / router units and the blocks too). A model without FSDP units is left alone."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled, recurse=True)

@@ -151,6 +151,7 @@ def build_trainer(
             aux_loss_coef=recipe.model.moe.aux_loss_coef,
             backward_on_thread=recipe.train.backward_on_thread,
             fail_after_step=recipe.train.fail_after_step,
+            reduce_grads_on_last_micro_batch_only=recipe.parallel.fsdp.reduce_grads == "last_micro_batch",
             metric_sources=dict(metric_sources or {}),
             # Aux-loss-free balancing: router biases follow the step's global expert loads (moe.bias_update_rate).
             post_step_callbacks=expert_bias_callbacks(setup.model, moe=recipe.model.moe),

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nemo_ac.data.batch import IGNORE_INDEX, PackedBatch
+from nemo_ac.distributed.fsdp import set_gradient_sync
 from nemo_ac.trainer.loss import compute_loss
 from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics, peak_memory_gib
 from nemo_ac.trainer.optim import clip_grad_norm_
@@ -57,6 +58,8 @@ class LoopOptions:
     aux_loss_coef: float
     backward_on_thread: bool = False
     fail_after_step: int = 0
+    # parallel.fsdp.reduce_grads == "last_micro_batch": no gradient collective until the step's last micro batch.
+    reduce_grads_on_last_micro_batch_only: bool = False
     # Called after each optimizer step with (step, info); info has "expert_load" ([L, E] global counts) when MoE.
     post_step_callbacks: list[StepCallback] = field(default_factory=list)
     # Extra per-step metric sources (e.g. compile counters): name -> callable returning a JSON-able value.
@@ -134,7 +137,9 @@ class Trainer:
         ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
         aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
         expert_load = None
-        for batch in prepared:
+        for index, batch in enumerate(prepared):
+            if self.options.reduce_grads_on_last_micro_batch_only:
+                set_gradient_sync(self.model, index == len(prepared) - 1)
             output = self.model(**batch.inputs_for(self.model))
             parts = compute_loss(
                 output,
