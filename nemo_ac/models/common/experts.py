@@ -28,6 +28,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``cat_e(F.linear(x_e, w[e]))`` with the weight split by one ``unbind`` (never ``w[e]``)."""
+    outs = [F.linear(rows, w_e) for rows, w_e in zip(x.split(counts), w.unbind(0), strict=True)]
+    return torch.cat(outs) if outs else x.new_empty(0, w.shape[1])
+
+
 class _ExpertLinears(torch.autograd.Function):
     """``cat_e(x_e @ w[e]^T)`` over expert-contiguous row groups (``x_e = x.split(counts)[e]``) whose backward writes
     each expert's weight gradient once, straight into one [E, N, K] buffer (``torch.mm(..., out=grad_w[e])``).
@@ -41,8 +47,7 @@ class _ExpertLinears(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
         ctx.counts = counts
         ctx.save_for_backward(x, w)
-        outs = [F.linear(rows, w_e) for rows, w_e in zip(x.split(counts), w.unbind(0), strict=True)]
-        return torch.cat(outs) if outs else x.new_empty(0, w.shape[1])
+        return _per_expert_linear(x, w, counts)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
@@ -62,8 +67,7 @@ class _ExpertLinears(torch.autograd.Function):
 def expert_linears(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Per-expert ``F.linear`` over row groups; see ``_ExpertLinears`` (eager) and its ``unbind`` form (compiled)."""
     if torch.compiler.is_compiling():
-        outs = [F.linear(rows, w_e) for rows, w_e in zip(x.split(counts), w.unbind(0), strict=True)]
-        return torch.cat(outs) if outs else x.new_empty(0, w.shape[1])
+        return _per_expert_linear(x, w, counts)
     return _ExpertLinears.apply(x, w, counts)
 
 
