@@ -109,4 +109,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nemo_ac.distributed.env import exit_process  # no interpreter teardown (see its docstring)
+
+    exit_process(main())

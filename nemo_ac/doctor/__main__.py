@@ -1,8 +1,9 @@
 """``python -m nemo_ac.doctor`` (same as ``nemo-ac doctor``)."""
 
-import sys
 
 from nemo_ac.doctor.runner import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nemo_ac.distributed.env import exit_process  # no interpreter teardown (see its docstring)
+
+    exit_process(main())
