@@ -1,6 +1,5 @@
 """``python -m nemo_ac.doctor`` (same as ``nemo-ac doctor``)."""
 
-
 from nemo_ac.doctor.runner import main
 
 if __name__ == "__main__":
