@@ -38,7 +38,7 @@ from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.common.mrope import MRotaryEmbedding
 from nemo_ac.models.common.rope import RotaryEmbedding
-from nemo_ac.models.hf_config import hf_config_dict
+from nemo_ac.models.hf import hf_config_dict
 from nemo_ac.models.init import canonical_name
 
 KINDS = (

@@ -27,8 +27,13 @@ from torch import nn
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.config.schema import CheckpointConfig, ModelConfig, RecipeConfig
 from nemo_ac.models import model_dtype
-from nemo_ac.models.hf_config import HF_FAMILIES, read_hf_config
-from nemo_ac.models.hf_io import export_hf_checkpoint, materialize_and_load, resolve_pretrained
+from nemo_ac.models.hf import (
+    HF_FAMILIES,
+    export_hf_checkpoint,
+    materialize_and_load,
+    read_hf_config,
+    resolve_pretrained,
+)
 from nemo_ac.models.init import materialize_and_init
 
 # ModelConfig fields (dotted below model.) that neither shape a weight nor change the forward math.

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from nemo_ac.config import load_recipe
-from nemo_ac.models.hf_config import hf_config_dict
+from nemo_ac.models.hf import hf_config_dict
 from tests.launch import RECIPES, assert_close_rel, run_recipe
 from tests.unit.test_hf_io import assert_bytes_equal, read_dir, write_hub_checkpoint
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from nemo_ac.config.schema import ModelConfig, MoEConfig
 from nemo_ac.models import build_model
-from nemo_ac.models.hf_io import (
+from nemo_ac.models.hf import (
     INDEX_FILE,
     HFCheckpointError,
     export_hf_checkpoint,

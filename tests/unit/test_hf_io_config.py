@@ -12,8 +12,7 @@ import torch
 from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models import build_model
 from nemo_ac.models.common.attention import build_attention_inputs
-from nemo_ac.models.hf_config import hf_config_dict, read_hf_config
-from nemo_ac.models.hf_io import export_hf_checkpoint, load_hf_checkpoint
+from nemo_ac.models.hf import export_hf_checkpoint, hf_config_dict, load_hf_checkpoint, read_hf_config
 from nemo_ac.models.init import materialize_and_init
 from tests.unit.test_hf_io import CONFIGS
 

@@ -14,7 +14,7 @@ import torch
 from nemo_ac.config import ConfigError, load_recipe
 from nemo_ac.config.schema import CheckpointConfig
 from nemo_ac.models import build_model
-from nemo_ac.models.hf_config import hf_config_dict
+from nemo_ac.models.hf import hf_config_dict
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.trainer.hf_weights import (
     architecture_issues,
@@ -78,10 +78,10 @@ def test_directory_problems_and_families_without_a_mapping(tmp_path: Path, monke
     assert "is not a directory (nor a Hub id" in check_hf_weights(typo)[0].message
     glm = load_recipe(RECIPES / "tiny" / "glm_4_5_air_tiny.yaml", ["checkpoint.export_hf=true"])
     assert check_hf_weights(glm) == []  # every shipped family has a mapping ...
-    import nemo_ac.models.hf_config as hf_config  # ... so take one away to see the rejection
+    import nemo_ac.models.hf.registry as registry  # ... so take one away to see the rejection
 
-    monkeypatch.setattr(hf_config, "HF_FAMILIES", {k: v for k, v in hf_config.HF_FAMILIES.items() if k != "glm4_moe"})
-    monkeypatch.setattr("nemo_ac.trainer.hf_weights.HF_FAMILIES", hf_config.HF_FAMILIES)
+    monkeypatch.setattr(registry, "HF_FAMILIES", {k: v for k, v in registry.HF_FAMILIES.items() if k != "glm4_moe"})
+    monkeypatch.setattr("nemo_ac.trainer.hf_weights.HF_FAMILIES", registry.HF_FAMILIES)
     (issue,) = check_hf_weights(glm)
     assert issue.key == "checkpoint.export_hf" and "no Hugging Face weight mapping" in issue.message
 

@@ -3,8 +3,8 @@
 The Hub config nests the text decoder under ``text_config`` and the vision tower under ``vision_config``; token
 ids of the image placeholder and the vision start / end markers sit at the top level. Checkpoint keys need no
 renaming (``model.language_model.*``, ``model.visual.*``, ``lm_head.weight``; routed experts per expert, which
-``hf_io`` groups). The multi-token-prediction head (``mtp.*``, ``text_config.mtp_num_hidden_layers``) is not part of
-the model and is skipped on load.
+``nemo_ac.models.hf.io`` groups). The multi-token-prediction head (``mtp.*``, ``text_config.mtp_num_hidden_layers``)
+is not part of the model and is skipped on load.
 
 Fixed by the architecture (transformers' ``Qwen3_5Moe*`` has no switch for them): softmax router with normalized
 top-k, a sigmoid-gated shared expert, gated attention with q/k norms, every decoder layer MoE. A config that asks for
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from nemo_ac.config.schema import LinearAttentionConfig, ModelConfig, MoEConfig, VisionConfig
-from nemo_ac.models.hf_config import HFDict, HFFamily, _require, _rope, register_hf_family
+from nemo_ac.models.hf.registry import HFDict, HFFamily, read_rope, register_hf_family, require
 
 _LAYER_TYPES = {"linear_attention": "L", "full_attention": "A"}
 # transformers' Qwen3_5MoeTextConfig: no layer_types means every 4th layer is full attention.
@@ -39,7 +39,7 @@ def _layer_pattern(text: HFDict) -> str:
 
 def _vision(d: HFDict) -> VisionConfig:
     v: HFDict = d.get("vision_config") or {}
-    _require(v, "hidden_act", "gelu_pytorch_tanh", "gelu_pytorch_tanh")
+    require(v, "hidden_act", "gelu_pytorch_tanh", "gelu_pytorch_tanh")
     if v.get("deepstack_visual_indexes"):
         raise NotImplementedError("qwen3_5_moe: deepstack_visual_indexes are not implemented (Qwen3.5/3.6 use none)")
     rope = v.get("rope_parameters") or {}
@@ -63,8 +63,8 @@ def _vision(d: HFDict) -> VisionConfig:
 def read_qwen3_5_moe(d: HFDict) -> ModelConfig:
     """``ModelConfig`` of a Qwen3.5/3.6 MoE ``config.json`` (the VL layout; a bare text config reads too)."""
     text: HFDict = d.get("text_config") or d
-    _require(text, "hidden_act", "silu", "silu")
-    theta, partial = _rope(text, 0.25)  # Qwen3_5MoeTextConfig's default partial_rotary_factor
+    require(text, "hidden_act", "silu", "silu")
+    theta, partial = read_rope(text, 0.25)  # Qwen3_5MoeTextConfig's default partial_rotary_factor
     rope = text.get("rope_parameters") or {}
     if rope.get("mrope_interleaved", True) is not True:
         raise NotImplementedError("qwen3_5_moe: only interleaved M-RoPE (rope_parameters.mrope_interleaved=true)")

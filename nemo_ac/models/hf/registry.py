@@ -1,0 +1,154 @@
+"""Hugging Face ``config.json`` <-> ``ModelConfig``, one registered ``HFFamily`` per HF ``model_type``.
+
+A family entry says how to read an HF config dict into a ``ModelConfig`` (architecture only: training knobs such as
+``aux_loss_coef`` or ``bias_update_rate`` keep their recipe values), how to write one back (for exports that
+transformers can load), how checkpoint keys differ from nemo_ac's (``key_renames``: Nemotron-H's Hub files say
+``backbone.`` where transformers 5 and nemo_ac say ``model.``) and which checkpoint keys are not part of the model
+(``ignore_key``: multi-token-prediction layers). Another family registers itself with ``register_hf_family``.
+
+This module holds the registry, the ``config.json`` dispatch and the helpers the families share; each family's
+mapping lives in its own module of ``nemo_ac.models.hf`` and registers itself on import (``nemo_ac.models.hf``
+imports them all). This module imports no family.
+
+HF defaults (transformers 5.18's config classes) fill keys missing from a config.json; settings nemo_ac does not
+implement (other rope types, other activations, sparse-step layouts) raise ``NotImplementedError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nemo_ac.config.schema import ModelConfig
+
+HFDict = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """How one HF ``model_type`` maps onto a nemo_ac family."""
+
+    model_type: str
+    family: str
+    architecture: str
+    read: Callable[[HFDict], ModelConfig]
+    write: Callable[[ModelConfig], HFDict]
+    # (checkpoint prefix, nemo_ac prefix) pairs, applied to the start of a key.
+    key_renames: tuple[tuple[str, str], ...] = ()
+    # Checkpoint keys (after renaming) that belong to no nemo_ac parameter and are skipped on load.
+    ignore_key: Callable[[str, ModelConfig], bool] = lambda key, cfg: False
+
+    def to_model_key(self, key: str) -> str:
+        for hub, ours in self.key_renames:
+            if key.startswith(hub):
+                return ours + key[len(hub) :]
+        return key
+
+    def to_hub_key(self, key: str) -> str:
+        for hub, ours in self.key_renames:
+            if key.startswith(ours):
+                return hub + key[len(ours) :]
+        return key
+
+
+HF_FAMILIES: dict[str, HFFamily] = {}
+
+
+def register_hf_family(spec: HFFamily) -> None:
+    """Adds (or replaces) the mapping for ``spec.model_type``."""
+    HF_FAMILIES[spec.model_type] = spec
+
+
+def hf_family(family: str) -> HFFamily:
+    """The registered mapping for a nemo_ac family name."""
+    for spec in HF_FAMILIES.values():
+        if spec.family == family:
+            return spec
+    raise NotImplementedError(
+        f"no Hugging Face mapping for family {family!r} (registered: {sorted(s.family for s in HF_FAMILIES.values())})"
+    )
+
+
+def load_hf_config_dict(path: str | Path) -> HFDict:
+    """``config.json`` of a local model directory (or the file itself)."""
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no config.json (expected a local Hugging Face model directory)")
+    return json.loads(file.read_text())
+
+
+def read_hf_config(path: str | Path) -> ModelConfig:
+    """``ModelConfig`` for the model directory at ``path``, dispatched on its ``model_type``."""
+    d = load_hf_config_dict(path)
+    model_type = d.get("model_type")
+    if model_type not in HF_FAMILIES:
+        raise NotImplementedError(
+            f"{path}: model_type {model_type!r} has no nemo_ac family (supported: {', '.join(sorted(HF_FAMILIES))})"
+        )
+    return HF_FAMILIES[model_type].read(d)
+
+
+def hf_config_dict(cfg: ModelConfig) -> HFDict:
+    """The HF config dict (``config.json`` content) of ``cfg``'s family."""
+    spec = hf_family(cfg.family)
+    return {"architectures": [spec.architecture], "model_type": spec.model_type, **spec.write(cfg)}
+
+
+def read_rope(d: HFDict, default_partial: float) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from transformers-5 ``rope_parameters`` or legacy top-level keys."""
+    params = dict(d.get("rope_parameters") or {})
+    legacy = d.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", legacy.get("rope_type", legacy.get("type", "default")))
+    if rope_type != "default":
+        raise NotImplementedError(f"rope_type {rope_type!r}: nemo_ac implements the default rope only")
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", default_partial))
+    return float(theta), float(partial)
+
+
+def require(d: HFDict, key: str, allowed: Any, default: Any) -> None:
+    """Raises ``NotImplementedError`` unless ``d[key]`` (``default`` when absent) is ``allowed``."""
+    value = d.get(key, default)
+    if value != allowed:
+        raise NotImplementedError(f"config.json {key}={value!r}: nemo_ac supports {allowed!r} only")
+
+
+def first_present(d: HFDict, keys: tuple[str, ...], default: Any) -> Any:
+    """The first of ``keys`` present (NemotronHConfig accepts legacy ``mamba_*`` aliases)."""
+    return next((d[k] for k in keys if k in d), default)
+
+
+def read_common(d: HFDict, family: str) -> HFDict:
+    """``ModelConfig`` keyword arguments every flat (non-nested) family reads the same way."""
+    heads = d["num_attention_heads"]
+    return {
+        "family": family,
+        "vocab_size": d["vocab_size"],
+        "hidden_size": d["hidden_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": d.get("num_key_value_heads") or heads,
+        "head_dim": d.get("head_dim") or d["hidden_size"] // heads,
+        "intermediate_size": d["intermediate_size"],
+        "tie_word_embeddings": d.get("tie_word_embeddings", False),
+        "max_position_embeddings": d.get("max_position_embeddings", 4096),
+        "init_std": d.get("initializer_range", 0.02),
+    }
+
+
+def write_common(cfg: ModelConfig) -> HFDict:
+    """The inverse of ``read_common``: the ``config.json`` keys every flat family writes the same way."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "initializer_range": cfg.init_std,
+    }
