@@ -1,4 +1,4 @@
-"""Fixtures shared by the unit tests."""
+"""Fixtures shared by the tests (pytest finds them here without an import)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
+from torch.utils import checkpoint as torch_checkpoint
 
 from nemo_ac.doctor import isolation
 
@@ -27,3 +28,18 @@ def fresh_dynamo() -> Iterator[None]:
     """Dynamo's caches and counters reset before and after the test (compile counts are asserted per test)."""
     with isolation.fresh_dynamo():
         yield
+
+
+@pytest.fixture
+def private_sac_ignored_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[set]:
+    """A copy of torch's SAC_IGNORED_OPS minus the profiler ops; the real set is checked untouched afterwards."""
+    from nemo_ac.distributed.sac_compat import profiler_op_overloads
+
+    real = torch_checkpoint.SAC_IGNORED_OPS
+    snapshot = set(real)
+    private = set(real) - set(profiler_op_overloads())
+    monkeypatch.setattr(torch_checkpoint, "SAC_IGNORED_OPS", private)
+    yield private
+    assert torch_checkpoint.SAC_IGNORED_OPS is private
+    monkeypatch.undo()
+    assert torch_checkpoint.SAC_IGNORED_OPS is real and real == snapshot, "the real SAC_IGNORED_OPS was changed"

@@ -21,7 +21,7 @@ from nemo_ac.trainer.expert_balance import expert_bias_callbacks
 from nemo_ac.trainer.loop import LoopOptions, Trainer
 from nemo_ac.trainer.metrics import MetricsLogger
 from nemo_ac.trainer.optim import build_optimizer, build_scheduler
-from tests.unit.test_models_glm4_moe import glm_config
+from tests.factories import glm_config
 
 RATE = 0.01
 

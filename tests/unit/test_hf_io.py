@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_ac.config.schema import ModelConfig, MoEConfig
+from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models import build_model
 from nemo_ac.models.hf import (
     INDEX_FILE,
@@ -21,73 +21,9 @@ from nemo_ac.models.hf import (
     resolve_pretrained,
 )
 from nemo_ac.models.init import materialize_and_init
-from tests.unit.test_models_glm4_moe import glm_config
-from tests.unit.test_models_nemotron_h import nemotron_config
+from tests.factories import CONFIGS, assert_bytes_equal, glm_config, nemotron_config, read_dir, write_hub_checkpoint
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="HF checkpoint IO needs safetensors")
-
-CONFIGS = {
-    "qwen3_moe": lambda: ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_layers=2,
-        first_k_dense_replace=1,
-        intermediate_size=40,
-        head_dim=8,
-        moe=MoEConfig(num_experts=4, moe_intermediate_size=12),
-    ),
-    "glm4_moe": glm_config,
-    "nemotron_h": nemotron_config,
-}
-
-
-def write_hub_checkpoint(
-    cfg: ModelConfig, root: Path, *, dtype: torch.dtype = torch.bfloat16, grouped: bool = False
-) -> dict[str, torch.Tensor]:
-    """Random weights under the Hub's names (written independently of hf_io): per-expert matrices unless
-    ``grouped``, ``backbone.`` for Nemotron-H, two safetensors files plus an index. Returns key -> tensor."""
-    gen = torch.Generator().manual_seed(0)
-    hub: dict[str, torch.Tensor] = {}
-    for name, meta in build_model(cfg).state_dict().items():
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        is_buffer = name.endswith("e_score_correction_bias")
-        value = torch.randn(meta.shape, generator=gen).to(torch.float32 if is_buffer else dtype)
-        prefix, _, local = name.rpartition(".")
-        if not grouped and prefix.endswith(".experts"):
-            for e in range(value.shape[0]):
-                if local == "gate_up_proj":
-                    gate, up = value[e].chunk(2)
-                    hub[f"{prefix}.{e}.gate_proj.weight"], hub[f"{prefix}.{e}.up_proj.weight"] = gate, up
-                else:  # up_proj (squared-ReLU experts) or down_proj
-                    hub[f"{prefix}.{e}.{local}.weight"] = value[e]
-        else:
-            hub[name] = value
-    if cfg.family == "nemotron_h":
-        hub = {("backbone." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in hub.items()}
-    hub = {k: v.clone().contiguous() for k, v in hub.items()}
-    keys = sorted(hub)
-    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
-    root.mkdir(parents=True, exist_ok=True)
-    for file, names in shards.items():
-        safetensors_torch.save_file({k: hub[k] for k in names}, str(root / file), metadata={"format": "pt"})
-    weight_map = {k: file for file, names in shards.items() for k in names}
-    (root / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return hub
-
-
-def read_dir(root: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(root.glob("*.safetensors")):
-        out.update(safetensors_torch.load_file(str(file)))
-    return out
-
-
-def assert_bytes_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
-        assert torch.equal(got[key].view(torch.uint8), value.view(torch.uint8)), key
 
 
 def _materialized(cfg: ModelConfig) -> torch.nn.Module:

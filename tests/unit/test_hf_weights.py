@@ -23,8 +23,8 @@ from nemo_ac.trainer.hf_weights import (
     export_final_hf,
     materialize_weights,
 )
+from tests.factories import read_dir, write_hub_checkpoint
 from tests.launch import RECIPES
-from tests.unit.test_hf_io import read_dir, write_hub_checkpoint
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="HF checkpoint IO needs safetensors")
 

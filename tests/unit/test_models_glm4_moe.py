@@ -7,49 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from nemo_ac.config.schema import ModelConfig, MoEConfig
+from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models import build_model
 from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.common.router import TopKRouter
 from nemo_ac.models.expert_bias import biased_routers, update_expert_bias
 from nemo_ac.models.init import materialize_and_init
-
-
-def glm_config(**overrides: object) -> ModelConfig:
-    """A tiny GLM-4.5-Air-shaped config: dense first layer, grouped sigmoid routing, partial rotary, q/k/v bias."""
-    moe = MoEConfig(
-        num_experts=8,
-        num_experts_per_tok=3,
-        moe_intermediate_size=24,
-        shared_expert_intermediate_size=48,  # n_shared_experts = 2
-        score_func="sigmoid",
-        score_correction_bias=True,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        router_dtype="float32",
-    )
-    base = {
-        "family": "glm4_moe",
-        "vocab_size": 96,
-        "hidden_size": 48,
-        "num_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 12,
-        "intermediate_size": 80,
-        "first_k_dense_replace": 1,
-        "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.5,
-        "rms_norm_eps": 1e-5,
-        "attention_bias": True,
-        "qk_norm": False,
-        "init_std": 0.1,  # large enough that routing and attention are far from uniform
-        "moe": moe,
-    }
-    base.update(overrides)
-    return ModelConfig(**base)  # type: ignore[arg-type]
+from tests.factories import glm_config
 
 
 def _hf_config(cfg: ModelConfig, transformers: object) -> object:

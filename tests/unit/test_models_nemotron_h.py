@@ -9,49 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nemo_ac.config.schema import MambaConfig, ModelConfig, MoEConfig
+from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models import build_model
 from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.common.mamba2 import Mamba2CoreParams, Mamba2Mixer, mamba2_ssm, segment_ids
 from nemo_ac.models.expert_bias import biased_routers
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.models.interfaces import AttentionInputs
-
-
-def nemotron_config(latent_size: int = 16, **overrides: object) -> ModelConfig:
-    """A tiny Nemotron-3-shaped config: every layer type, latent MoE, grouped sigmoid routing, 2 B/C groups."""
-    moe = MoEConfig(
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=24,
-        shared_expert_intermediate_size=20,
-        score_func="sigmoid",
-        score_correction_bias=True,
-        activation="relu2",
-        latent_size=latent_size,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.0,
-        router_dtype="float32",
-    )
-    base = {
-        "family": "nemotron_h",
-        "vocab_size": 96,
-        "hidden_size": 48,
-        "num_layers": 6,
-        "layer_pattern": "ME*M-E",
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 12,
-        "intermediate_size": 40,
-        "qk_norm": False,
-        "rms_norm_eps": 1e-5,
-        "init_std": 0.1,
-        "moe": moe,
-        "mamba": MambaConfig(num_heads=4, head_dim=8, state_size=16, n_groups=2, conv_kernel=4, chunk_size=8),
-    }
-    base.update(overrides)
-    return ModelConfig(**base)  # type: ignore[arg-type]
+from tests.factories import nemotron_config
 
 
 def _model(cfg: ModelConfig, seed: int = 3) -> torch.nn.Module:

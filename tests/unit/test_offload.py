@@ -17,8 +17,8 @@ from nemo_ac.models import build_model
 from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.init import canonical_name, materialize_and_init
 from nemo_ac.trainer.build import build_parallel_model
+from tests.factories import glm_config
 from tests.launch import RECIPES
-from tests.unit.test_models_glm4_moe import glm_config
 
 SEQ = 40  # never a model dimension
 BATCH = 2

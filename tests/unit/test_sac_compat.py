@@ -1,6 +1,6 @@
 """sac_compat: version gate and profiler-op ignore (installed by both SAC factories), on a private copy of torch's set.
 
-Every test here runs against ``private_sac_ignored_ops``: a copy of ``torch.utils.checkpoint.SAC_IGNORED_OPS``
+Every test here runs against ``private_sac_ignored_ops`` (tests/conftest.py): a copy of ``torch.utils.checkpoint.SAC_IGNORED_OPS``
 *without* the profiler ops, monkeypatched in for the test; afterwards the real set must be exactly what it was.
 """
 
@@ -19,26 +19,7 @@ from nemo_ac.distributed.sac_compat import (
     torch_version_release,
 )
 from nemo_ac.models import build_model
-
-PROFILER_OPS = {
-    torch.ops.profiler._record_function_enter.default,
-    torch.ops.profiler._record_function_enter_new.default,
-    torch.ops.profiler._record_function_exit.default,
-    torch.ops.profiler._record_function_exit._RecordFunction,
-}
-
-
-@pytest.fixture
-def private_sac_ignored_ops(monkeypatch):
-    """A copy of torch's SAC_IGNORED_OPS minus the profiler ops; the real set is checked untouched afterwards."""
-    real = torch_checkpoint.SAC_IGNORED_OPS
-    snapshot = set(real)
-    private = set(real) - set(profiler_op_overloads())
-    monkeypatch.setattr(torch_checkpoint, "SAC_IGNORED_OPS", private)
-    yield private
-    assert torch_checkpoint.SAC_IGNORED_OPS is private
-    monkeypatch.undo()
-    assert torch_checkpoint.SAC_IGNORED_OPS is real and real == snapshot, "the real SAC_IGNORED_OPS was changed"
+from tests.factories import PROFILER_OPS
 
 
 @pytest.mark.parametrize(

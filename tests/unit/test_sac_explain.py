@@ -12,7 +12,6 @@ from nemo_ac.diagnostics.sac_explain import (
     parse_sac_storage_error,
 )
 from nemo_ac.distributed import activation_checkpointing as ac
-from tests.unit.test_sac_compat import private_sac_ignored_ops  # noqa: F401 (fixture)
 
 # Every test runs on a private copy of torch's SAC_IGNORED_OPS (the real set stays untouched).
 pytestmark = pytest.mark.usefixtures("private_sac_ignored_ops")

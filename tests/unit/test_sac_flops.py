@@ -22,7 +22,6 @@ from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.common.rope import RotaryEmbedding
 from nemo_ac.models.init import init_weights
 from nemo_ac.models.qwen3_moe import DecoderLayer
-from tests.unit.test_sac_compat import private_sac_ignored_ops  # noqa: F401 (fixture)
 
 # Every test runs on a private copy of torch's SAC_IGNORED_OPS (the real set stays untouched).
 pytestmark = pytest.mark.usefixtures("private_sac_ignored_ops")

@@ -28,8 +28,8 @@ from nemo_ac.doctor.probes_sac import NestedUnitNet, shard_nested_unit_net
 from nemo_ac.models.init import canonical_name, materialize_and_init
 from nemo_ac.trainer.build import build_parallel_model
 from nemo_ac.trainer.loop import run_backward
+from tests.factories import PROFILER_OPS
 from tests.launch import RECIPES
-from tests.unit.test_sac_compat import PROFILER_OPS, private_sac_ignored_ops  # noqa: F401 (fixture)
 
 # Every test runs on a private copy of torch's SAC_IGNORED_OPS (the real set stays untouched).
 pytestmark = pytest.mark.usefixtures("world", "private_sac_ignored_ops")

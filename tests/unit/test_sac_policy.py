@@ -16,7 +16,6 @@ from nemo_ac.diagnostics.sac_explain import SAC_DEBUG_ENV, reset_decision_log
 from nemo_ac.distributed import activation_checkpointing as ac
 from nemo_ac.distributed.activation_checkpointing import PolicyRules, SelectivePolicy
 from nemo_ac.models import build_model
-from tests.unit.test_sac_compat import private_sac_ignored_ops  # noqa: F401 (fixture)
 
 # Every test runs on a private copy of torch's SAC_IGNORED_OPS (the real set stays untouched).
 pytestmark = pytest.mark.usefixtures("private_sac_ignored_ops")

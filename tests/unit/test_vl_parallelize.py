@@ -17,7 +17,6 @@ from nemo_ac.models.init import materialize_and_init
 from nemo_ac.trainer.batching import make_batch_preparer
 from nemo_ac.trainer.build import build_parallel_model
 from tests.launch import RECIPES
-from tests.unit.test_sac_compat import private_sac_ignored_ops  # noqa: F401 (fixture)
 
 pytest.importorskip("PIL", reason="MedPix images need pillow (the hf extra)")
 pytestmark = pytest.mark.usefixtures("world", "private_sac_ignored_ops")

@@ -1,0 +1,253 @@
+"""Tiny model configs and checkpoint helpers shared by the unit and functional tests (one place for them).
+
+Test modules never import each other: what two of them share lives here (or, for fixtures, in ``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from nemo_ac.config.schema import LinearAttentionConfig, MambaConfig, ModelConfig, MoEConfig
+from nemo_ac.models import build_model
+from nemo_ac.models.expert_bias import biased_routers
+from nemo_ac.models.hf import INDEX_FILE
+from nemo_ac.models.init import materialize_and_init
+
+# --- tiny model configs ----------------------------------------------------------------------------------------
+
+
+def qwen3_moe_config() -> ModelConfig:
+    """A tiny Qwen3-MoE config: one dense layer then one MoE layer."""
+    return ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        first_k_dense_replace=1,
+        intermediate_size=40,
+        head_dim=8,
+        moe=MoEConfig(num_experts=4, moe_intermediate_size=12),
+    )
+
+
+def glm_config(**overrides: object) -> ModelConfig:
+    """A tiny GLM-4.5-Air-shaped config: dense first layer, grouped sigmoid routing, partial rotary, q/k/v bias."""
+    moe = MoEConfig(
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=48,  # n_shared_experts = 2
+        score_func="sigmoid",
+        score_correction_bias=True,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        router_dtype="float32",
+    )
+    base = {
+        "family": "glm4_moe",
+        "vocab_size": 96,
+        "hidden_size": 48,
+        "num_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 12,
+        "intermediate_size": 80,
+        "first_k_dense_replace": 1,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-5,
+        "attention_bias": True,
+        "qk_norm": False,
+        "init_std": 0.1,  # large enough that routing and attention are far from uniform
+        "moe": moe,
+    }
+    base.update(overrides)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+def nemotron_config(latent_size: int = 16, **overrides: object) -> ModelConfig:
+    """A tiny Nemotron-3-shaped config: every layer type, latent MoE, grouped sigmoid routing, 2 B/C groups."""
+    moe = MoEConfig(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=20,
+        score_func="sigmoid",
+        score_correction_bias=True,
+        activation="relu2",
+        latent_size=latent_size,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.0,
+        router_dtype="float32",
+    )
+    base = {
+        "family": "nemotron_h",
+        "vocab_size": 96,
+        "hidden_size": 48,
+        "num_layers": 6,
+        "layer_pattern": "ME*M-E",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 12,
+        "intermediate_size": 40,
+        "qk_norm": False,
+        "rms_norm_eps": 1e-5,
+        "init_std": 0.1,
+        "moe": moe,
+        "mamba": MambaConfig(num_heads=4, head_dim=8, state_size=16, n_groups=2, conv_kernel=4, chunk_size=8),
+    }
+    base.update(overrides)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+def qwen3_5_config() -> ModelConfig:
+    """A tiny Qwen3.5-MoE text decoder: Gated DeltaNet layer then gated attention layer, partial M-RoPE."""
+    return ModelConfig(
+        family="qwen3_5_moe",
+        vocab_size=96,
+        hidden_size=48,
+        num_layers=2,
+        layer_pattern="LA",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        partial_rotary_factor=0.5,
+        mrope_section=[1, 1, 1],
+        rms_norm_eps=1e-6,
+        attn_output_gate=True,
+        init_std=0.1,
+        moe=MoEConfig(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            shared_expert_gate=True,
+            norm_topk_prob=True,
+            router_dtype="param",  # transformers' Qwen3.5 router runs in the parameter dtype
+        ),
+        linear_attention=LinearAttentionConfig(
+            num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6, conv_kernel=4, chunk_size=8
+        ),
+    )
+
+
+# HF family (model_type) -> its tiny text-only config, for the config.json and safetensors round trips.
+CONFIGS = {
+    "qwen3_moe": qwen3_moe_config,
+    "glm4_moe": glm_config,
+    "nemotron_h": nemotron_config,
+}
+
+
+# --- Hub-layout safetensors checkpoints -----------------------------------------------------------------------
+
+
+def write_hub_checkpoint(
+    cfg: ModelConfig, root: Path, *, dtype: torch.dtype = torch.bfloat16, grouped: bool = False
+) -> dict[str, torch.Tensor]:
+    """Random weights under the Hub's names (written independently of ``nemo_ac.models.hf.io``): per-expert
+    matrices unless ``grouped``, ``backbone.`` for Nemotron-H, two safetensors files plus an index. Returns
+    key -> tensor."""
+    import safetensors.torch
+
+    gen = torch.Generator().manual_seed(0)
+    hub: dict[str, torch.Tensor] = {}
+    for name, meta in build_model(cfg).state_dict().items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        is_buffer = name.endswith("e_score_correction_bias")
+        value = torch.randn(meta.shape, generator=gen).to(torch.float32 if is_buffer else dtype)
+        prefix, _, local = name.rpartition(".")
+        if not grouped and prefix.endswith(".experts"):
+            for e in range(value.shape[0]):
+                if local == "gate_up_proj":
+                    gate, up = value[e].chunk(2)
+                    hub[f"{prefix}.{e}.gate_proj.weight"], hub[f"{prefix}.{e}.up_proj.weight"] = gate, up
+                else:  # up_proj (squared-ReLU experts) or down_proj
+                    hub[f"{prefix}.{e}.{local}.weight"] = value[e]
+        else:
+            hub[name] = value
+    if cfg.family == "nemotron_h":
+        hub = {("backbone." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in hub.items()}
+    hub = {k: v.clone().contiguous() for k, v in hub.items()}
+    keys = sorted(hub)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    root.mkdir(parents=True, exist_ok=True)
+    for file, names in shards.items():
+        safetensors.torch.save_file({k: hub[k] for k in names}, str(root / file), metadata={"format": "pt"})
+    weight_map = {k: file for file, names in shards.items() for k in names}
+    (root / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return hub
+
+
+def read_dir(root: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``root``."""
+    import safetensors.torch
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(root.glob("*.safetensors")):
+        out.update(safetensors.torch.load_file(str(file)))
+    return out
+
+
+def assert_bytes_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Same keys, and every tensor has the same dtype, shape and bytes."""
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+        assert torch.equal(got[key].view(torch.uint8), value.view(torch.uint8)), key
+
+
+# --- SAC ---------------------------------------------------------------------------------------------------------
+
+# The profiler ops sac_compat adds to torch's SAC_IGNORED_OPS.
+PROFILER_OPS = {
+    torch.ops.profiler._record_function_enter.default,
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+}
+
+
+# --- benchmark peers (benchmarks/_flagship_peers.py, benchmarks/_automodel_peers.py) ---------------------------
+
+PEER_TOL = 1e-5  # max |nemo - hf| relative to max |hf|
+PEER_SEQ = {"qwen": 29, "glm": 21, "nemotron": 21}  # several chunks (8) plus a ragged tail; never a model dimension
+# kind -> index of the layer it runs on in the tiny models (``peer_layers``).
+PEER_LAYER = {
+    "qwen_linear_mixer": 0,
+    "qwen_attention_mixer": 1,
+    "qwen_moe_ffn": 1,
+    "glm_attention_mixer": 1,
+    "glm_dense_ffn": 0,
+    "glm_moe_ffn": 1,
+    "nemotron_mamba": 0,
+    "nemotron_attention": 2,
+    "nemotron_moe": 1,
+}
+
+
+def peer_layers(family: str) -> tuple[ModelConfig, torch.nn.ModuleList]:
+    """(config, decoder layers) of ``family``'s tiny model (``qwen``, ``glm``, ``nemotron``), initialized with 1-D
+    parameters and router biases moved off their constant init, for sub-block parity with the benchmark peers."""
+    cfg = {"qwen": qwen3_5_config, "glm": glm_config, "nemotron": nemotron_config}[family]()
+    model = materialize_and_init(build_model(cfg), device="cpu", seed=3)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():  # norms, A_log, dt_bias, D start at constants: perturb so parity tests them
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+        for router in biased_routers(model):  # a non-zero correction bias must steer selection identically
+            router.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, cfg.moe.num_experts))
+    inner = model.model.language_model if family == "qwen" else model.model
+    return cfg, inner.layers
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to max |b|."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
