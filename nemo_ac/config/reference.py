@@ -229,13 +229,14 @@ def generate(root: type = RecipeConfig) -> str:
 # command line
 
 
-def check(path: Path, text: str) -> str | None:
-    """None when ``path`` holds ``text``, else the message saying how to regenerate it."""
+def check(path: Path, text: str, *, shown: str | None = None) -> str | None:
+    """None when ``path`` holds ``text``, else the message saying how to regenerate it (naming it ``shown``)."""
     current = path.read_text() if path.is_file() else None
     if current == text:
         return None
+    name = shown or str(path)
     state = "does not exist" if current is None else "is out of date with nemo_ac/config/schema.py"
-    return f"{path} {state}; regenerate it with: {COMMAND} --write {path}"
+    return f"{name} {state}; regenerate it with: {COMMAND} --write {name}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

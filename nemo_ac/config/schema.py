@@ -36,7 +36,8 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # multiplies the selected experts' weights (after norm_topk_prob)
     # GLM / DeepSeek e_score_correction_bias: added to scores for selection only.
     score_correction_bias: bool = False
-    # Aux-loss-free load balancing: bias += rate * sign(mean_load - load) after each optimizer step. 0 disables.
+    # Aux-loss-free load balancing: bias += rate * sign(mean_load - load) after each optimizer step, with the step's
+    # loads summed over micro batches and ranks; needs score_correction_bias: true. 0 disables.
     bias_update_rate: float = 0.0
     # Weight of the Switch-style load-balancing loss (E * sum_e f_e * P_e, loads all-reduced globally); 0 disables.
     aux_loss_coef: float = 0.001
@@ -51,7 +52,7 @@ class MoEConfig:
     # Routed-expert GEMMs. grouped_mm: one torch._grouped_mm per projection over expert-sorted rows, offsets on the
     # device (no host sync); needs fp32/bf16/fp16 and widths that are multiples of 16 bytes. loop: one matmul pair
     # per local expert (the reference; syncs on the per-expert counts). auto: grouped_mm where the device and the
-    # compute dtype (parallel.fsdp.param_dtype) support it, loop elsewhere; the run prints its choice.
+    # compute dtype (parallel.fsdp.param_dtype) support it, loop elsewhere; the run prints its choice. docs/experts.md.
     experts_impl: Literal["auto", "loop", "grouped_mm"] = "auto"
 
 
@@ -122,7 +123,7 @@ class ModelConfig:
     family: Family = "qwen3_moe"
     # Optional: Hugging Face model id or local dir whose safetensors are loaded after parallelization (random init
     # otherwise). The architecture is built from the fields below; a local dir's config.json must agree with them
-    # (checked before any process group starts; a Hub id is checked after download, before loading).
+    # (checked before any process group starts; a Hub id is checked after download, before loading). docs/models.md.
     pretrained: str | None = None
     vocab_size: int = 128  # token embedding rows (and lm_head outputs)
     hidden_size: int = 64  # residual stream width
@@ -149,9 +150,10 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     # Std of the normal random init of linear, embedding, expert and router weights (unused with pretrained weights).
     init_std: float = 0.02
-    # Hybrid layer pattern (nemotron_h: "M*E..." ; qwen3_5_moe: layer types). Empty = all attention+MoE.
-    # qwen3_5_moe: one character per layer, L = Gated DeltaNet linear attention, A = gated full attention; empty =
-    # the HF default (every 4th layer full attention: "LLLA" repeated).
+    # Hybrid layer pattern, one character per layer (length num_layers); other families take none.
+    # nemotron_h (required, its hybrid_override_pattern): M = Mamba-2, * = attention, E = MoE, - = dense MLP.
+    # qwen3_5_moe: L = Gated DeltaNet linear attention, A = gated full attention; empty = the HF default (every 4th
+    # layer full attention: "LLLA" repeated).
     layer_pattern: str = ""
     # qwen3_5_moe multimodal rope (HF rope_parameters.mrope_section, interleaved): how many of the rotary_dim/2
     # frequencies rotate by the temporal / height / width position. Must sum to rotary_dim/2 when vision.depth > 0.
@@ -236,6 +238,7 @@ class ActivationCheckpointingConfig:
     mode: Literal["none", "full", "selective"] = "none"
     # Move what decoder blocks save for backward to host memory during forward and back for backward (pinned
     # memory + a side stream on CUDA; nemo_ac/distributed/offload.py). With mode: full that is each block's input.
+    # Rejected with mode: selective and with compile.enabled (docs/offload.md).
     offload: bool = False
     # Where AC sits relative to a block's fully_shard: inside = fully_shard(AC(block)) (torchtitan's layout; only
     # nested expert/router units run their FSDP hooks inside the checkpoint); outside = AC(fully_shard(block))
@@ -265,7 +268,8 @@ class CompileConfig:
     capture_scalar_outputs: bool = True
     # Make per-micro-batch ints (max_seqlen, ring slices) symbolic from the first compile.
     dynamic_ints: bool = True
-    # Re-apply the forward thread's Dynamo settings when a checkpoint recomputes on another thread.
+    # Re-apply the forward thread's Dynamo settings when a checkpoint recomputes on another thread (false only to
+    # observe the torch failure it prevents; docs/compile.md).
     forward_thread_context: bool = True
     # torch.compile(dynamic=): null = Dynamo's automatic dynamic shapes (static first compile, dynamic once a size
     # changes); true = every input size symbolic from the first compile (one compile instead of two when
@@ -347,10 +351,11 @@ class TrainConfig:
     seed: int = 1234
     # Debug: run backward on a worker thread, emulating the CUDA autograd device thread on CPU.
     backward_on_thread: bool = False
-    # Extension points: {"_target_": "torch.optim.AdamW", ...}; None uses the built-in choice.
+    # Extension points: {"_target_": "torch.optim.AdamW", ...} (a _target_ under torch.optim. or nemo_ac.), called
+    # with the parameter groups and lr; None uses the built-in AdamW (betas, eps).
     optimizer: dict[str, Any] | None = None
-    # {"_target_": "torch.optim.lr_scheduler...", ...}, called with the optimizer first (the _target_ must be under
-    # torch.optim. or nemo_ac.); None uses warmup + cosine (warmup_steps, min_lr_ratio).
+    # {"_target_": "torch.optim.lr_scheduler....", ...}, called with the optimizer (same _target_ rule as
+    # optimizer); None uses warmup + cosine (warmup_steps, min_lr_ratio).
     scheduler: dict[str, Any] | None = None
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     # Stop (for fault-injection tests) by raising after this step; 0 disables.
