@@ -22,6 +22,7 @@ run: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) -m nemo_ac.config.reference --check docs/config_reference.md
 
 test: lint
 	$(PY) -m pytest -q $(ARGS)

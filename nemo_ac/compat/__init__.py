@@ -1,6 +1,6 @@
 """The torch 2.12 / 2.13 FSDP2 + selective AC + compile workarounds, for any FSDP2 trainer.
 
-Two lines for a plain FSDP2 script (README, "Using the workarounds in your own FSDP2 trainer")::
+Two lines for a plain FSDP2 script (docs/doctor_and_compat.md, "The fixes in your own FSDP2 trainer")::
 
     import nemo_ac.compat as compat
     compat.install()                 # process-wide: profiler ops out of SAC's replay (torch >= 2.13)

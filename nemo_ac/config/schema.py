@@ -20,24 +20,28 @@ DTypeName = Literal["float32", "bfloat16", "float16"]
 class MoEConfig:
     """Routed experts. Names follow the Hugging Face configs where one exists."""
 
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 32
+    num_experts: int = 8  # routed experts per MoE layer (divisible by parallel.ep)
+    num_experts_per_tok: int = 2  # top-k: routed experts each token visits
+    moe_intermediate_size: int = 32  # hidden width of each routed expert's FFN
     # Shared expert(s) that every token visits; 0 disables. GLM's n_shared_experts multiplies this width.
     shared_expert_intermediate_size: int = 0
     # Qwen3.5/3.6: a sigmoid gate scales the shared expert's output.
     shared_expert_gate: bool = False
+    # Router scores from its logits: softmax over experts (Qwen3) or per-expert sigmoid (GLM-4.5, Nemotron-H).
     score_func: Literal["softmax", "sigmoid"] = "softmax"
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = True  # renormalize the k selected scores to sum to 1
     # Grouped top-k (DeepSeek-V3 / GLM-4.5): experts in n_group groups, tokens pick topk_group groups first.
     n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
+    topk_group: int = 1  # groups each token keeps (with n_group > 1); experts are chosen only inside them
+    routed_scaling_factor: float = 1.0  # multiplies the selected experts' weights (after norm_topk_prob)
     # GLM / DeepSeek e_score_correction_bias: added to scores for selection only.
     score_correction_bias: bool = False
-    # Aux-loss-free load balancing: bias += rate * sign(mean_load - load) after each optimizer step. 0 disables.
+    # Aux-loss-free load balancing: bias += rate * sign(mean_load - load) after each optimizer step, with the step's
+    # loads summed over micro batches and ranks; needs score_correction_bias: true. 0 disables.
     bias_update_rate: float = 0.0
+    # Weight of the Switch-style load-balancing loss (E * sum_e f_e * P_e, loads all-reduced globally); 0 disables.
     aux_loss_coef: float = 0.001
+    # Expert FFN: silu = SwiGLU (gate_up_proj [E, 2I, H]); relu2 = relu(x)^2 without a gate (Nemotron-H).
     activation: Literal["silu", "relu2"] = "silu"
     # Nemotron-H latent MoE: tokens are projected to this width before the experts; 0 disables.
     latent_size: int = 0
@@ -48,7 +52,7 @@ class MoEConfig:
     # Routed-expert GEMMs. grouped_mm: one torch._grouped_mm per projection over expert-sorted rows, offsets on the
     # device (no host sync); needs fp32/bf16/fp16 and widths that are multiples of 16 bytes. loop: one matmul pair
     # per local expert (the reference; syncs on the per-expert counts). auto: grouped_mm where the device and the
-    # compute dtype (parallel.fsdp.param_dtype) support it, loop elsewhere; the run prints its choice.
+    # compute dtype (parallel.fsdp.param_dtype) support it, loop elsewhere; the run prints its choice. docs/experts.md.
     experts_impl: Literal["auto", "loop", "grouped_mm"] = "auto"
 
 
@@ -70,75 +74,86 @@ class MambaConfig:
     time_step_min: float = 0.001
     # dt_bias init: inverse softplus of dt ~ logU(time_step_min, time_step_max), floored at time_step_floor.
     time_step_max: float = 0.1
-    time_step_floor: float = 1e-4
+    time_step_floor: float = 1e-4  # lower bound of the initial dt (see time_step_max)
 
 
 @dataclass
 class LinearAttentionConfig:
     """Gated DeltaNet linear attention of Qwen3.5/3.6 (used only by family qwen3_5_moe)."""
 
-    num_key_heads: int = 2
-    num_value_heads: int = 4
-    key_head_dim: int = 16
-    value_head_dim: int = 16
-    conv_kernel: int = 4
-    chunk_size: int = 16
+    num_key_heads: int = 2  # linear_num_key_heads: query/key heads (divisible by parallel.cp)
+    num_value_heads: int = 4  # linear_num_value_heads: a multiple of num_key_heads (divisible by parallel.cp)
+    key_head_dim: int = 16  # linear_key_head_dim
+    value_head_dim: int = 16  # linear_value_head_dim
+    conv_kernel: int = 4  # linear_conv_kernel_dim: width of the causal depthwise conv over q, k, v
+    chunk_size: int = 16  # chunk length of the chunked gated delta rule (same math for any value; memory vs speed)
 
 
 @dataclass
 class VisionConfig:
     """Vision tower of Qwen3.5/3.6 (family qwen3_5_moe). depth 0 means text only."""
 
-    depth: int = 0
-    hidden_size: int = 32
-    num_heads: int = 2
-    intermediate_size: int = 64
-    patch_size: int = 4
-    temporal_patch_size: int = 1
+    depth: int = 0  # ViT blocks; 0 = no vision tower (text only; data.kind medpix needs >= 1)
+    hidden_size: int = 32  # ViT width
+    num_heads: int = 2  # ViT attention heads; hidden_size / num_heads must be a multiple of 4
+    intermediate_size: int = 64  # ViT MLP width
+    patch_size: int = 4  # patch side in pixels
+    temporal_patch_size: int = 1  # frames per patch (the patch embedding is a Conv3d over time x height x width)
+    # The merger concatenates spatial_merge_size x spatial_merge_size neighbouring patches into one text token.
     spatial_merge_size: int = 2
-    in_channels: int = 3
+    in_channels: int = 3  # image channels
     # Learned absolute position table (a square grid, bilinearly resampled to each image's patch grid).
     num_position_embeddings: int = 16
     # Theta of the ViT's 2D (row, column) rotary embedding.
     rope_theta: float = 10000.0
+    # Token id of the image placeholders that the vision features replace (and that place M-RoPE positions).
     image_token_id: int = 3
+    # Token id that opens each image's run of placeholders, as the tokenizer writes it (exported to config.json;
+    # with data.tokenizer tiny the three ids must be the tiny tokenizer's 3 / 1 / 2, checked in validation).
     vision_start_token_id: int = 1
-    vision_end_token_id: int = 2
+    vision_end_token_id: int = 2  # token id that closes each image's run of placeholders
 
 
 @dataclass
 class ModelConfig:
+    """The architecture: built on the meta device from these fields (names follow transformers' configs)."""
+
+    # Model builder and HF architecture: qwen3_moe (Qwen3-MoE), glm4_moe (GLM-4.5 / -Air), nemotron_h (Nemotron-H /
+    # Nemotron 3), qwen3_5_moe (Qwen3.5/3.6 vision-language MoE). Validation rejects options a family lacks.
     family: Family = "qwen3_moe"
     # Optional: Hugging Face model id or local dir whose safetensors are loaded after parallelization (random init
     # otherwise). The architecture is built from the fields below; a local dir's config.json must agree with them
-    # (checked before any process group starts; a Hub id is checked after download, before loading).
+    # (checked before any process group starts; a Hub id is checked after download, before loading). docs/models.md.
     pretrained: str | None = None
-    vocab_size: int = 128
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
+    vocab_size: int = 128  # token embedding rows (and lm_head outputs)
+    hidden_size: int = 64  # residual stream width
+    num_layers: int = 2  # decoder layers (equal to len(layer_pattern) when a pattern is given)
+    num_attention_heads: int = 4  # query heads of the attention layers
+    num_key_value_heads: int = 2  # key/value heads (grouped-query attention; replicated when fewer than parallel.cp)
+    head_dim: int = 16  # per-head width (need not be hidden_size / num_attention_heads)
     # Dense MLP width for layers that are not MoE (first_k_dense_replace / hybrid patterns).
     intermediate_size: int = 128
     # Layers [0, first_k_dense_replace) use a dense MLP instead of MoE.
     first_k_dense_replace: int = 0
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # base of the rotary position embedding's frequencies
     # Fraction of head_dim that gets rotary embedding (GLM uses 0.5).
     partial_rotary_factor: float = 1.0
-    rms_norm_eps: float = 1e-6
-    attention_bias: bool = False
-    qk_norm: bool = True
+    rms_norm_eps: float = 1e-6  # epsilon of every RMSNorm
+    attention_bias: bool = False  # biases on the q/k/v projections (and o_proj, except GLM)
+    qk_norm: bool = True  # RMSNorm over each head's q and k before rotary (Qwen3)
     # Qwen3.5/3.6 gated attention: an output gate on attention heads.
     attn_output_gate: bool = False
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool = False  # lm_head shares the token embedding's weight
     # Biases on dense MLPs, shared experts and MoE latent projections (nemotron_h's mlp_bias).
     mlp_bias: bool = False
+    # Written to the exported config.json only: rotary positions are computed for any length, so it bounds nothing.
     max_position_embeddings: int = 4096
+    # Std of the normal random init of linear, embedding, expert and router weights (unused with pretrained weights).
     init_std: float = 0.02
-    # Hybrid layer pattern (nemotron_h: "M*E..." ; qwen3_5_moe: layer types). Empty = all attention+MoE.
-    # qwen3_5_moe: one character per layer, L = Gated DeltaNet linear attention, A = gated full attention; empty =
-    # the HF default (every 4th layer full attention: "LLLA" repeated).
+    # Hybrid layer pattern, one character per layer (length num_layers); other families take none.
+    # nemotron_h (required, its hybrid_override_pattern): M = Mamba-2, * = attention, E = MoE, - = dense MLP.
+    # qwen3_5_moe: L = Gated DeltaNet linear attention, A = gated full attention; empty = the HF default (every 4th
+    # layer full attention: "LLLA" repeated).
     layer_pattern: str = ""
     # qwen3_5_moe multimodal rope (HF rope_parameters.mrope_section, interleaved): how many of the rotary_dim/2
     # frequencies rotate by the temporal / height / width position. Must sum to rotary_dim/2 when vision.depth > 0.
@@ -153,19 +168,30 @@ class ModelConfig:
 class BackendConfig:
     """Kernel backends. te / deepep need their optional extras and CUDA."""
 
+    # Attention core over packed rows: sdpa = torch SDPA with a document mask; te = Transformer Engine
+    # DotProductAttention (CUDA, nemo_ac[te]; rejected with ring CP).
     attention: Literal["sdpa", "te"] = "sdpa"
-    linear: Literal["torch", "te"] = "torch"
-    rms_norm: Literal["torch", "te"] = "torch"
+    linear: Literal["torch", "te"] = "torch"  # the decoder blocks' nn.Linear, or te.Linear (CUDA, nemo_ac[te])
+    rms_norm: Literal["torch", "te"] = "torch"  # the decoder blocks' RMSNorms, or te.RMSNorm (CUDA, nemo_ac[te])
+    # Expert-parallel token exchange: torch = all_to_all_single with uneven splits; deepep = DeepEP's Buffer kernels
+    # (CUDA only, needs parallel.ep > 1 and nemo_ac[deepep]).
     dispatcher: Literal["torch", "deepep"] = "torch"
 
 
 @dataclass
 class FSDPConfig:
+    """FSDP2 (fully_shard) of nested expert/router units, then each block, then the root."""
+
+    # Free each unit's unsharded parameters after its forward and all-gather them again for backward (the root
+    # unit always keeps them); false holds them from forward to backward: more memory, fewer all-gathers.
     reshard_after_forward: bool = True
+    # MixedPrecisionPolicy.param_dtype: the dtype parameters are all-gathered and computed in (the sharded
+    # parameters keep their own dtype). An fp32 router (model.moe.router_dtype) keeps float32 in its own unit.
     param_dtype: DTypeName = "float32"
-    reduce_dtype: DTypeName = "float32"
+    reduce_dtype: DTypeName = "float32"  # MixedPrecisionPolicy.reduce_dtype: dtype of the gradient reductions
     # none: FSDP2's implicit order. explicit: each block prefetches the next block and its expert/router units.
     forward_prefetch: Literal["none", "explicit"] = "none"
+    # default: FSDP2's implicit order. explicit: each block prefetches the previous block and its expert/router units.
     backward_prefetch: Literal["default", "explicit"] = "default"
     # Gradient reduction during accumulation. every_micro_batch: reduce-scatter (HSDP: and all-reduce) after every
     # micro batch's backward, holding only sharded gradients. last_micro_batch: accumulate unsharded gradients locally
@@ -177,10 +203,14 @@ class FSDPConfig:
 
 @dataclass
 class ParallelConfig:
-    dp_replicate: int = 1
+    """The device mesh: world size = dp_replicate * dp_shard * cp; experts borrow ep from dp_shard * cp."""
+
+    dp_replicate: int = 1  # HSDP replica groups: parameters replicated across them, gradients all-reduced
     # -1: whatever is left of the world size after dp_replicate and cp.
     dp_shard: int = -1
-    cp: int = 1
+    cp: int = 1  # context-parallel degree: each row's tokens are split over cp ranks
+    # ulysses: all-to-all from sequence shards to head shards (heads divisible by cp). ring: K/V travel around the
+    # ring with head-tail sharding (seq_len divisible by 2 * cp; attention-only families).
     cp_type: Literal["ulysses", "ring"] = "ulysses"
     # Expert parallel degree, borrowed from dp_shard * cp.
     ep: int = 1
@@ -189,6 +219,8 @@ class ParallelConfig:
 
 @dataclass
 class SelectiveACConfig:
+    """What the selective (SAC) policy saves in forward instead of recomputing; attention is always saved."""
+
     # Save every other matmul's output (torchtitan's policy); False saves every matmul.
     save_every_other_mm: bool = True
     # Save outputs of collectives (all-to-all, reduce-scatter) so recompute does not communicate again.
@@ -199,9 +231,14 @@ class SelectiveACConfig:
 
 @dataclass
 class ActivationCheckpointingConfig:
+    """Activation checkpointing of decoder (and vision) blocks: nemo_ac/distributed/activation_checkpointing.py."""
+
+    # none: keep every activation. full: save each block's input and recompute the whole block in backward.
+    # selective: save the op outputs the selective policy picks and recompute the rest (SAC).
     mode: Literal["none", "full", "selective"] = "none"
     # Move what decoder blocks save for backward to host memory during forward and back for backward (pinned
     # memory + a side stream on CUDA; nemo_ac/distributed/offload.py). With mode: full that is each block's input.
+    # Rejected with mode: selective and with compile.enabled (docs/offload.md).
     offload: bool = False
     # Where AC sits relative to a block's fully_shard: inside = fully_shard(AC(block)) (torchtitan's layout; only
     # nested expert/router units run their FSDP hooks inside the checkpoint); outside = AC(fully_shard(block))
@@ -214,17 +251,25 @@ class ActivationCheckpointingConfig:
 
 @dataclass
 class CompileConfig:
-    enabled: bool = False
-    backend: str = "inductor"
+    """torch.compile of every decoder block in place (nemo_ac/distributed/compile.py)."""
+
+    enabled: bool = False  # compile each decoder block's forward (vision blocks are never compiled)
+    backend: str = "inductor"  # a registered torch.compile backend (inductor, aot_eager, eager, ...)
+    # torch.compile(fullgraph=True): a graph break is an error; rejected over blocks holding a nested FSDP unit.
     fullgraph: bool = False
     # compile_outer: compile(AC(block)); ac_outer: AC(compile(block)); auto: ac_outer for blocks holding a nested
     # FSDP unit, compile_outer otherwise.
     layout: Literal["auto", "compile_outer", "ac_outer"] = "auto"
+    # Dynamo's recompile_limit for the compiled blocks (torch's default 8 is hit by packed variable-length rows),
+    # applied thread-locally around each block.
     recompile_limit: int = 64
+    # Dynamo's capture_scalar_outputs in the compiled blocks: trace .tolist() / .item() (the experts loop's
+    # tokens_per_expert.tolist()) into the graph instead of breaking it.
     capture_scalar_outputs: bool = True
     # Make per-micro-batch ints (max_seqlen, ring slices) symbolic from the first compile.
     dynamic_ints: bool = True
-    # Re-apply the forward thread's Dynamo settings when a checkpoint recomputes on another thread.
+    # Re-apply the forward thread's Dynamo settings when a checkpoint recomputes on another thread (false only to
+    # observe the torch failure it prevents; docs/compile.md).
     forward_thread_context: bool = True
     # torch.compile(dynamic=): null = Dynamo's automatic dynamic shapes (static first compile, dynamic once a size
     # changes); true = every input size symbolic from the first compile (one compile instead of two when
@@ -234,35 +279,40 @@ class CompileConfig:
 
 @dataclass
 class DataConfig:
+    """Packed rows with document ids: a synthetic task or MedPix-VQA (nemo_ac/data/)."""
+
+    # synthetic: generated toy-task documents packed into rows; medpix: (image, question, answer) rows for
+    # family qwen3_5_moe with a vision tower.
     kind: Literal["synthetic", "medpix"] = "synthetic"
     # Synthetic task: documents "<bos> x1..xn <sep> f(x)" where f is reverse or copy.
     task: Literal["reverse", "copy", "sort"] = "reverse"
+    # Synthetic: tokens per row (the longest row when fixed_length is false); divisible by cp (ring: by 2 * cp).
     seq_len: int = 64
-    min_doc_tokens: int = 4
-    max_doc_tokens: int = 12
+    min_doc_tokens: int = 4  # synthetic: fewest content tokens of a document (drawn uniformly up to max_doc_tokens)
+    max_doc_tokens: int = 12  # synthetic: most content tokens of a document
     # Every micro batch packs to exactly seq_len (True) or to a varying multiple of pad_multiple (False).
     fixed_length: bool = True
-    pad_multiple: int = 8
+    pad_multiple: int = 8  # synthetic, fixed_length false: row lengths are multiples of this in [seq_len/2, seq_len]
     # medpix: local path (a save_to_disk dir, a dir of parquet/json files, or one such file), HF dataset id, or
     # "synthetic[:N]" (N generated MedPix-shaped samples, nemo_ac.data.medpix_sample; default 48).
     path: str | None = None
-    split: str = "train"
+    split: str = "train"  # medpix: the dataset split to read
     # medpix: None or "tiny" = the byte-level chat tokenizer shipped in nemo_ac.data.tiny_tokenizer (tiny recipes);
     # otherwise an HF model id or dir whose AutoProcessor formats the chat, tokenizes and preprocesses images.
     tokenizer: str | None = None
-    max_length: int = 4096
+    max_length: int = 4096  # medpix: tokens per row (every row exactly this long); divisible by cp
     # medpix: pack several samples per row (document_ids/positions restart) or one sample per row, padded.
     packing: bool = True
-    num_workers: int = 0
+    num_workers: int = 0  # not read yet: batches are built in the training process
     # medpix columns. "auto": "image" if the dataset has it, else "image_id" (mmoukouba/MedPix-VQA keeps the image
     # itself in image_id).
     image_column: str = "auto"
-    question_column: str = "question"
-    answer_column: str = "answer"
+    question_column: str = "question"  # medpix: column with the question text
+    answer_column: str = "answer"  # medpix: column with the answer text (the only tokens with labels)
     # medpix image budget (Qwen smart_resize: sides become multiples of patch_size * spatial_merge_size with the
     # pixel count in [min, max]); 0 keeps the processor's own setting (tiny tokenizer: one merged token .. 32*32).
     image_min_pixels: int = 0
-    image_max_pixels: int = 0
+    image_max_pixels: int = 0  # medpix: upper pixel budget of an image (see image_min_pixels); 0 keeps the default
 
 
 @dataclass
@@ -282,21 +332,30 @@ class FreezeConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 20
+    """The loop: AdamW with warmup + cosine LR by default, gradient accumulation over micro batches."""
+
+    steps: int = 20  # optimizer steps; 0 with checkpoint.export_hf: load (and export) without training
+    # Rows per optimizer step over all data-parallel ranks; divisible by dp * micro_batch_size, the quotient being
+    # the micro batches each rank accumulates per step.
     global_batch_size: int = 8
-    micro_batch_size: int = 2
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 2
+    micro_batch_size: int = 2  # rows per rank per forward/backward
+    lr: float = 3e-3  # peak learning rate (reached after warmup_steps)
+    min_lr_ratio: float = 0.1  # built-in scheduler: the cosine decays to lr * min_lr_ratio at the last step
+    warmup_steps: int = 2  # built-in scheduler: linear warmup steps
+    # AdamW weight decay of parameters with >= 2 dims (norm weights, biases and router correction biases get none).
     weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    grad_clip: float = 1.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # built-in AdamW betas
+    eps: float = 1e-8  # built-in AdamW eps
+    grad_clip: float = 1.0  # max global L2 gradient norm (over every mesh); 0 disables clipping (the norm is logged)
+    # Seeds torch, the per-tensor weight init (seed, parameter name) and the data streams.
     seed: int = 1234
     # Debug: run backward on a worker thread, emulating the CUDA autograd device thread on CPU.
     backward_on_thread: bool = False
-    # Extension points: {"_target_": "torch.optim.AdamW", ...}; None uses the built-in choice.
+    # Extension points: {"_target_": "torch.optim.AdamW", ...} (a _target_ under torch.optim. or nemo_ac.), called
+    # with the parameter groups and lr; None uses the built-in AdamW (betas, eps).
     optimizer: dict[str, Any] | None = None
+    # {"_target_": "torch.optim.lr_scheduler....", ...}, called with the optimizer (same _target_ rule as
+    # optimizer); None uses warmup + cosine (warmup_steps, min_lr_ratio).
     scheduler: dict[str, Any] | None = None
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     # Stop (for fault-injection tests) by raising after this step; 0 disables.
@@ -305,11 +364,11 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    """DCP checkpoints under ``dir``/step_<N>/ (see nemo_ac/trainer/checkpoint.py and README "Checkpoints")."""
+    """DCP checkpoints under ``dir``/step_<N>/ (see nemo_ac/trainer/checkpoint.py and docs/checkpoints.md)."""
 
     # Save (every_n_steps and at the last step). Resuming works whether or not this run saves.
     enabled: bool = False
-    dir: str = "runs/checkpoints"
+    dir: str = "runs/checkpoints"  # holds step_<N>/ checkpoints, the latest pointer and .step_<N>.partial/ saves
     # 0: save only at the end.
     every_n_steps: int = 0
     # Complete checkpoints to keep; older ones are deleted after a new one is published.
@@ -329,23 +388,29 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    run_dir: str = "runs/latest"
-    log_every: int = 1
+    """What rank 0 prints and writes."""
+
+    run_dir: str = "runs/latest"  # rank 0 writes recipe.yaml (resolved), metrics.jsonl and summary.json here
+    log_every: int = 1  # print a metrics line every N steps and at the last one (without the progress bar)
     # "auto": a progress bar when stdout is a terminal (YAML reads on/off as booleans, hence always/never).
     progress_bar: Literal["auto", "always", "never"] = "auto"
-    jsonl: bool = True
+    jsonl: bool = True  # write one JSON record per step to run_dir/metrics.jsonl
 
 
 @dataclass
 class DistConfig:
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    timeout_s: int = 300
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """The default process group (a world of one outside torchrun)."""
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA devices, gloo otherwise
+    timeout_s: int = 300  # process group timeout in seconds
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available and backend is not gloo, else cpu
 
 
 @dataclass
 class RecipeConfig:
-    name: str = "recipe"
+    """A recipe: the top-level keys and one section per part of a run."""
+
+    name: str = "recipe"  # printed in the run's first line
     model: ModelConfig = field(default_factory=ModelConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -1,4 +1,5 @@
-"""The README's plain-FSDP2 example (``<!-- readme-example: fsdp2_sac_compat -->``), run exactly as printed there.
+"""The plain-FSDP2 example of docs/doctor_and_compat.md (``<!-- readme-example: fsdp2_sac_compat -->``; it was the
+README's until the README became an entry), run exactly as printed there.
 
 A script that uses no nemo_ac trainer code: its own SAC policy through torch's ``create_selective_checkpoint_contexts``
 and a nested FSDP2 unit inside each checkpointed block. As printed (with ``nemo_ac.compat.install()``) it trains; the
@@ -21,6 +22,7 @@ from tests.launch import ROOT, child_env
 pytestmark = pytest.mark.functional
 
 MARKER = "<!-- readme-example: fsdp2_sac_compat -->"
+DOC = ROOT / "docs" / "doctor_and_compat.md"
 FIX_LINE = re.compile(r"^nemo_ac\.compat\.install\(\).*\n", re.MULTILINE)
 DOCUMENTED = re.compile(
     r"profiler\._record_function_enter_new\.default invocation index \d+ encountered during backward "
@@ -30,8 +32,8 @@ STEP = re.compile(r"^step (\d) loss (\d+\.\d+)$", re.MULTILINE)
 
 
 def readme_example() -> str:
-    text = (ROOT / "README.md").read_text()
-    assert text.count(MARKER) == 1, "the README example marker must appear exactly once"
+    text = DOC.read_text()
+    assert text.count(MARKER) == 1, f"the example marker must appear exactly once in {DOC.relative_to(ROOT)}"
     block = text.split(MARKER, 1)[1]
     match = re.match(r"\s*```python\n(.*?)```", block, re.DOTALL)
     assert match, "the marker must be followed by a ```python block"
