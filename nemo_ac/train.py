@@ -17,13 +17,12 @@ import torch
 from nemo_ac.config import ConfigError, RecipeConfig, check_environment, load_recipe, to_dict, to_yaml, validate_recipe
 from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.diagnostics.recompiles import CompileAccounting
-from nemo_ac.distributed.compile import compiled_checkpoint_entries, compiled_layouts
 from nemo_ac.distributed.env import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env
-from nemo_ac.distributed.offload import installed_offloader
 from nemo_ac.trainer.build import build_trainer, build_training
-from nemo_ac.trainer.checkpoint import Checkpointer, TrainingState, check_checkpoint_paths, elastic_restart_hazard
+from nemo_ac.trainer.checkpoint import Checkpointer, TrainingState, check_checkpoint_paths
 from nemo_ac.trainer.hf_weights import check_hf_weights, export_final_hf
 from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics
+from nemo_ac.workarounds.rendezvous_shared_store import elastic_restart_hazard
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -49,15 +48,15 @@ def load_and_validate(
 
 def run(recipe: RecipeConfig, layout: ParallelLayout, env: DistEnv) -> list[StepMetrics]:
     setup = build_training(recipe, layout, device=env.device)
-    model = setup.model
+    model, plan = setup.model, setup.plan
     # Per-thread compile / recompile / graph-break counts in every step's metrics; warns on eager fallbacks.
     compile_accounting = (
-        CompileAccounting(watch_checkpoint_entries=compiled_checkpoint_entries(model)).install()
-        if recipe.compile.enabled
+        CompileAccounting(watch_checkpoint_entries=list(plan.applied.compiled_checkpoint_entries)).install()
+        if plan.compile is not None
         else None
     )
     if compile_accounting is not None and env.is_main:
-        print(f"compile | {recipe.compile.backend} | layouts: {', '.join(map(str, compiled_layouts(model)))}")
+        print(f"compile | {plan.compile.backend} | layouts: {', '.join(map(str, plan.compile_layouts()))}")
     if env.is_main:
         Path(recipe.logging.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(recipe.logging.run_dir) / "recipe.yaml").write_text(to_yaml(recipe))
@@ -69,6 +68,7 @@ def run(recipe: RecipeConfig, layout: ParallelLayout, env: DistEnv) -> list[Step
             flush=True,
         )
         print("kernels | " + " | ".join(f"{name} {choice}" for name, choice in setup.kernels.items()), flush=True)
+        print("\n".join(plan.summary_lines()), flush=True)
     checkpointer = Checkpointer(
         config=recipe.checkpoint, total_steps=recipe.train.steps, recipe=to_dict(recipe), device=env.device
     )
@@ -84,7 +84,7 @@ def run(recipe: RecipeConfig, layout: ParallelLayout, env: DistEnv) -> list[Step
         log_every=recipe.logging.log_every,
     )
     metric_sources = compile_accounting.metric_sources() if compile_accounting else {}
-    offloader = installed_offloader(model)  # activation_checkpointing.offload: tensors / MiB moved to host memory
+    offloader = plan.applied.offloader  # activation_checkpointing.offload: tensors / MiB moved to host memory
     if offloader is not None:
         metric_sources.update(offloader.metric_sources())
     trainer = build_trainer(setup, logger=logger, metric_sources=metric_sources)

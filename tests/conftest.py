@@ -33,7 +33,7 @@ def fresh_dynamo() -> Iterator[None]:
 @pytest.fixture
 def private_sac_ignored_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[set]:
     """A copy of torch's SAC_IGNORED_OPS minus the profiler ops; the real set is checked untouched afterwards."""
-    from nemo_ac.distributed.sac_compat import profiler_op_overloads
+    from nemo_ac.workarounds.profiler_ops_in_sac import profiler_op_overloads
 
     real = torch_checkpoint.SAC_IGNORED_OPS
     snapshot = set(real)

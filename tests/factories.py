@@ -205,7 +205,7 @@ def assert_bytes_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 
 # --- SAC ---------------------------------------------------------------------------------------------------------
 
-# The profiler ops sac_compat adds to torch's SAC_IGNORED_OPS.
+# The profiler ops workarounds.profiler_ops_in_sac adds to torch's SAC_IGNORED_OPS.
 PROFILER_OPS = {
     torch.ops.profiler._record_function_enter.default,
     torch.ops.profiler._record_function_enter_new.default,

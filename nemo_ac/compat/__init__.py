@@ -7,7 +7,9 @@ Two lines for a plain FSDP2 script (docs/doctor_and_compat.md, "The fixes in you
     ...                              # fully_shard(...) your units
     compat.protect_fsdp_units(model) # per model: FSDP2 hooks outside the SAC modes (explicit prefetch)
     context_fn = compat.selective_checkpoint_context_fn(policy=my_policy)   # the modes that honour it
+    torch.compile(block, **compat.ac_outer_compile_kwargs({"backend": "inductor"}))  # a block compiled inside SAC
 
+Which torch failure each helper works around, and on which releases: ``nemo_ac.workarounds.WORKAROUNDS``.
 ``nemo-ac doctor`` runs each failure on the installed torch with and without these and says which are needed.
 Importing this package changes no torch state; ``install()`` changes ``SAC_IGNORED_OPS`` only when called, and
 ``installed()`` restores it.
@@ -16,10 +18,12 @@ Importing this package changes no torch state; ``install()`` changes ``SAC_IGNOR
 from nemo_ac.compat.install import CompatStatus, install, installed, status, uninstall
 from nemo_ac.compat.regions import (
     ContextFn,
+    ac_outer_compile_kwargs,
     add_recompute_context,
     compose_context_fns,
     forward_thread_compile_context,
     protect_fsdp_units,
+    regions_with_torch_sac_modes,
     selective_checkpoint_context_fn,
     unprotect_fsdp_units,
     with_forward_thread_compile_context,
@@ -28,12 +32,14 @@ from nemo_ac.compat.regions import (
 __all__ = [
     "CompatStatus",
     "ContextFn",
+    "ac_outer_compile_kwargs",
     "add_recompute_context",
     "compose_context_fns",
     "forward_thread_compile_context",
     "install",
     "installed",
     "protect_fsdp_units",
+    "regions_with_torch_sac_modes",
     "selective_checkpoint_context_fn",
     "status",
     "uninstall",

@@ -29,17 +29,13 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from nemo_ac.distributed.sac_compat import (
-    FSDP_HOOKS_OUTSIDE_SAC_SINCE,
-    PROFILER_OPS_SINCE,
+from nemo_ac.workarounds.gates import gate_active
+from nemo_ac.workarounds.profiler_ops_in_sac import (
     ensure_profiler_ops_sac_ignored,
     profiler_op_overloads,
     profiler_ops_ignored_upstream,
-    torch_version_release,
+    sac_ignored_ops,
 )
-
-# torch releases whose Dynamo / compiler config is per thread (a worker or autograd thread sees the defaults).
-THREAD_LOCAL_COMPILE_CONFIG_SINCE = (2, 12)
 
 _lock = threading.Lock()
 _added: set[Any] = set()  # ops install() added to SAC_IGNORED_OPS (uninstall removes exactly these)
@@ -70,8 +66,7 @@ class CompatStatus:
 
 
 def _ignored_set() -> set[Any] | None:
-    ignored = getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", None)
-    return ignored if isinstance(ignored, set) else None
+    return sac_ignored_ops()
 
 
 def status(*, torch_version: str | None = None) -> CompatStatus:
@@ -80,7 +75,6 @@ def status(*, torch_version: str | None = None) -> CompatStatus:
 
 
 def _status(*, torch_version: str | None, added: tuple[Any, ...]) -> CompatStatus:
-    release = torch_version_release(torch_version)
     ignored = _ignored_set()
     overloads = profiler_op_overloads()
     if ignored is None or not overloads:
@@ -91,7 +85,7 @@ def _status(*, torch_version: str | None, added: tuple[Any, ...]) -> CompatStatu
         profiler = "upstream"
     elif all(op in ignored for op in overloads):
         profiler = "installed"
-    elif release < PROFILER_OPS_SINCE:
+    elif not gate_active("profiler_ops_in_sac", torch_version=torch_version):
         profiler = "not_needed"
     else:
         profiler = "missing"
@@ -99,8 +93,8 @@ def _status(*, torch_version: str | None, added: tuple[Any, ...]) -> CompatStatu
         torch_version=str(torch.__version__ if torch_version is None else torch_version),
         profiler_ops=profiler,
         added_ops=tuple(str(op) for op in added),
-        fsdp_units_need_protection=release >= FSDP_HOOKS_OUTSIDE_SAC_SINCE,
-        recompute_needs_thread_context=release >= THREAD_LOCAL_COMPILE_CONFIG_SINCE,
+        fsdp_units_need_protection=gate_active("fsdp_hooks_in_sac", torch_version=torch_version),
+        recompute_needs_thread_context=gate_active("forward_thread_compile_config", torch_version=torch_version),
     )
 
 

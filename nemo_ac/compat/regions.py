@@ -15,6 +15,9 @@ torchtitan-style ``checkpoint_wrapper(module, context_fn=...)``:
   Ignoring FSDP's ops is not safe (its copy-out emits ``aten.copy_`` / ``split_with_sizes_copy`` that the model
   emits too); instead the units' forward hooks are bracketed so FSDP's parameter management always runs for real.
   Only the modes from ``selective_checkpoint_context_fn`` honour the brackets: torch's own modes do not know them.
+- ``ac_outer_compile_kwargs(kwargs)``: ``torch.compile`` kwargs for a block compiled *inside* a SAC region
+  (AC(compile(block))): inductor then runs each compiled graph as one ``inductor_compiled_code`` op, which the
+  modes above pass through; without it SAC caches buffers inductor overwrites (silently wrong gradients).
 - ``forward_thread_compile_context`` / ``with_forward_thread_compile_context(context_fn)``: for AC(compile(block))
   regions. Dynamo's config is per thread since torch 2.12 and the recompute runs on the autograd thread (the device
   thread on GPU), so after a cache miss it compiles with that thread's defaults (recompile_limit 8,
@@ -36,23 +39,24 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.distributed.activation_checkpointing import (
     ContextFn,
-    PolicyRules,
-    SelectivePolicy,
     compose_context_fns,
-    selective_region_modes,
+    make_selective_checkpoint_context_fn,
 )
-from nemo_ac.distributed.compile import forward_thread_compile_context
-from nemo_ac.distributed.sac_compat import (
-    _fsdp_module_type,
+from nemo_ac.workarounds.compiled_regions_under_sac import ac_outer_compile_kwargs
+from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
+from nemo_ac.workarounds.fsdp_hooks_in_sac import (
     fsdp_hooks_outside_sac_supported,
+    fsdp_units,
     install_fsdp_hooks_outside_sac,
     remove_fsdp_hooks_outside_sac,
 )
+from nemo_ac.workarounds.sac_mode_passthrough import is_passthrough_mode, is_torch_sac_mode
 
 PolicyFn = Callable[..., Any]
 
 __all__ = [
     "ContextFn",
+    "ac_outer_compile_kwargs",
     "add_recompute_context",
     "compose_context_fns",
     "forward_thread_compile_context",
@@ -84,18 +88,9 @@ def selective_checkpoint_context_fn(
     compile_context: also re-apply the forward thread's compile settings in the recompute
         (``with_forward_thread_compile_context``), for regions that hold a compiled module.
     """
-    if policy is not None and policy_factory is not None:
-        raise ValueError("pass policy or policy_factory, not both")
-    make_policy = policy_factory
-    if policy is None and make_policy is None:
-        rules = PolicyRules.build(config if config is not None else SelectiveACConfig())
-
-        def make_policy() -> PolicyFn:
-            return SelectivePolicy(rules=rules, region=region)
-
-    def context_fn() -> tuple[AbstractContextManager, AbstractContextManager]:
-        return selective_region_modes(policy if policy is not None else make_policy(), region=region)
-
+    context_fn = make_selective_checkpoint_context_fn(
+        config=config, region=region, policy=policy, policy_factory=policy_factory, install_profiler_ignore=False
+    )
     return with_forward_thread_compile_context(context_fn) if compile_context else context_fn
 
 
@@ -119,17 +114,45 @@ def protect_fsdp_units(model: nn.Module, *, torch_version: str | None = None) ->
     """Run every FSDP2 unit's forward hooks outside nemo_ac's SAC modes; call after ``fully_shard``.
 
     Returns the number of units newly protected (0 on a second call: idempotent). Raises when ``model`` holds no
-    FSDP2 unit, because then it was called too early and would protect nothing. A no-op (returns 0) on torch
-    releases older than the ones this was verified on (``FSDP_HOOKS_OUTSIDE_SAC_SINCE``).
+    FSDP2 unit (called too early: it would protect nothing), and when a ``checkpoint_wrapper`` in ``model`` builds
+    its SAC region with torch's own modes (``create_selective_checkpoint_contexts``, as torchtitan and NeMo
+    Automodel do): those modes do not know the brackets, so the explicit-prefetch layouts would still fail with
+    torch's raw ``fsdp.all_gather_copy_in.default ... not found in storage``. A no-op (returns 0) on torch releases
+    outside the gate (``nemo_ac.workarounds.gates.GATES["fsdp_hooks_in_sac"]``).
     """
-    fsdp_type = _fsdp_module_type()
     if not fsdp_hooks_outside_sac_supported(torch_version=torch_version):
         return 0
-    if fsdp_type is None or not any(isinstance(module, fsdp_type) for module in model.modules()):
+    if not fsdp_units(model):
         raise RuntimeError(
             "protect_fsdp_units found no FSDP2 unit in the model: call it after fully_shard(...) of the model"
         )
+    unaware = regions_with_torch_sac_modes(model)
+    if unaware:
+        raise RuntimeError(
+            f"protect_fsdp_units: the checkpoint of {', '.join(unaware[:3])}{' ...' if len(unaware) > 3 else ''} "
+            "builds its SAC region with torch's own modes (create_selective_checkpoint_contexts), which run the "
+            "protected FSDP hooks' ops through SAC anyway, so explicit prefetch still fails with 'fsdp.all_gather_"
+            "copy_in.default ... not found in storage'. Build its context_fn with "
+            "nemo_ac.compat.selective_checkpoint_context_fn(policy=your_policy) (same policy, modes that honour "
+            "the protection)"
+        )
     return install_fsdp_hooks_outside_sac(model, torch_version=torch_version)
+
+
+def regions_with_torch_sac_modes(model: nn.Module) -> list[str]:
+    """Names of ``checkpoint_wrapper`` modules whose ``context_fn`` returns torch's own SAC modes (not nemo_ac's
+    pass-through ones). Each wrapper's ``context_fn`` is called once, outside any checkpoint, to see its modes."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, CheckpointWrapper):
+            continue
+        context_fn = (getattr(module.checkpoint_fn, "keywords", None) or {}).get("context_fn")
+        if context_fn is None:
+            continue
+        modes = context_fn()
+        if any(is_torch_sac_mode(mode) and not is_passthrough_mode(mode) for mode in modes):
+            found.append(name or type(module).__name__)
+    return found
 
 
 def unprotect_fsdp_units(model: nn.Module) -> int:

@@ -67,14 +67,14 @@ def _remedy(origin: OpOrigin, *, workarounds: bool) -> str:
         )
     if origin.kind == "profiler":
         return (
-            "the profiler ops were not ignored: call nemo_ac.compat.install() (or nemo_ac.distributed.sac_compat."
-            "ensure_profiler_ops_sac_ignored()) before the first forward (the nemo_ac SAC factories do), or use "
+            "the profiler ops were not ignored: call nemo_ac.compat.install() (or nemo_ac.workarounds."
+            "profiler_ops_in_sac.ensure_profiler_ops_sac_ignored()) before the first forward (the nemo_ac SAC factories do), or use "
             "activation_checkpointing.mode: full"
         )
     if origin.kind in ("fsdp", "fsdp_or_model"):
         return (
             "FSDP2's hooks ran inside the SAC modes: call nemo_ac.compat.protect_fsdp_units(model) (nemo_ac."
-            "distributed.sac_compat.install_fsdp_hooks_outside_sac) after fully_shard (nemo_ac.distributed.parallelize "
+            "workarounds.fsdp_hooks_in_sac.install_fsdp_hooks_outside_sac) after fully_shard (nemo_ac.distributed.parallelize "
             "does), or set parallel.fsdp.forward_prefetch: none and backward_prefetch: default"
         )
     if origin.kind == "collective":

@@ -1,47 +1,34 @@
-"""Where the parallelizer finds transformer blocks and their nested FSDP units.
+"""Where the parallelizer finds a model's blocks, their sequence mixers and their routed MoE.
 
-One source of truth used by AC, compile and FSDP: a block "holds a nested FSDP unit" when its experts or its fp32
-router are fully_shard-ed separately inside it. That is the layout whose FSDP hooks run inside a checkpointed
-region (the torch 2.13 SAC desync) and the layout ``compile.layout: auto`` compiles as AC(compile(block)).
+Only through the contract in ``nemo_ac.models.interfaces`` (``ParallelizableModel``, ``DecoderBlock``,
+``SequenceMixer``, ``RoutedMoE``): no attribute-name probing. A model that does not implement it fails here with
+the missing piece named, before anything is applied.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from nemo_ac.config.schema import MoEConfig
-
-# Where HF-style models keep their decoder blocks, relative to the causal-LM wrapper: text-only families
-# (``model.layers``) and vision-language ones, whose text decoder sits beside the vision tower
-# (``model.language_model.layers``, Qwen3.5/3.6).
-DECODER_LAYER_PATHS = ("model.layers", "model.language_model.layers")
-# The vision tower's block list (Qwen3.5/3.6: ``model.visual.blocks``); absent in text-only models.
-VISION_BLOCK_PATH = "model.visual.blocks"
+from nemo_ac.models.interfaces import DecoderBlock, ParallelizableModel, RoutedMoE, SequenceMixer
 
 
-def _module_at(model: nn.Module, path: str) -> nn.Module | None:
-    module: nn.Module | None = model
-    for part in path.split("."):
-        module = getattr(module, part, None)
-        if module is None:
-            return None
-    return module
-
-
-def decoder_layers_path(model: nn.Module) -> str:
-    """Dotted path of the decoder's block list (``model.layers`` or ``model.language_model.layers``)."""
-    for path in DECODER_LAYER_PATHS:
-        if isinstance(_module_at(model, path), nn.ModuleList):
-            return path
-    raise TypeError(
-        f"{type(model).__name__} has no decoder block list at any of {list(DECODER_LAYER_PATHS)}; nemo_ac "
-        "parallelizes HF-style models"
-    )
+def _parallelizable(model: nn.Module) -> ParallelizableModel:
+    if not isinstance(model, ParallelizableModel):
+        raise TypeError(
+            f"{type(model).__name__} does not implement nemo_ac.models.interfaces.ParallelizableModel "
+            "(decoder_blocks_path, decoder_blocks(), vision_blocks()); nemo_ac parallelizes models that do"
+        )
+    return model
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder's block list (HF layout: ``model.model.layers``, or ``model.model.language_model.layers``)."""
-    return _module_at(model, decoder_layers_path(model))  # type: ignore[return-value]
+    """The decoder's block list (``model.model.layers`` or ``model.model.language_model.layers``)."""
+    return _parallelizable(model).decoder_blocks()
+
+
+def decoder_layers_path(model: nn.Module) -> str:
+    """Dotted path of the decoder's block list, for region names in errors and the printed plan."""
+    return _parallelizable(model).decoder_blocks_path
 
 
 def vision_blocks(model: nn.Module) -> nn.ModuleList | None:
@@ -51,8 +38,8 @@ def vision_blocks(model: nn.Module) -> nn.ModuleList | None:
     images with Python ints from ``image_grid_thw`` (a recompile per image layout) and runs once per micro batch
     on the full sequence, before context-parallel sharding.
     """
-    blocks = _module_at(model, VISION_BLOCK_PATH)
-    return blocks if isinstance(blocks, nn.ModuleList) and len(blocks) > 0 else None
+    blocks = _parallelizable(model).vision_blocks()
+    return blocks if blocks is not None and len(blocks) > 0 else None
 
 
 def unwrap_block(block: nn.Module) -> nn.Module:
@@ -60,19 +47,16 @@ def unwrap_block(block: nn.Module) -> nn.Module:
     return getattr(block, "_checkpoint_wrapped_module", block)
 
 
-def nested_fsdp_units(block: nn.Module, *, moe: MoEConfig) -> list[nn.Module]:
-    """Submodules of ``block`` that get their own fully_shard: experts, and the router when kept in fp32."""
+def routed_moe(block: nn.Module) -> RoutedMoE | None:
+    """The block's routed MoE (None: a dense block), through ``DecoderBlock.routed_moe``."""
     inner = unwrap_block(block)
-    mlp = getattr(inner, "mlp", None)
-    if mlp is None or not getattr(inner, "is_moe", False):
-        return []
-    units: list[nn.Module] = []
-    if moe.router_dtype == "float32":
-        units.append(mlp.gate)
-    if moe.separate_fsdp_unit:
-        units.append(mlp.experts)
-    return units
+    if not isinstance(inner, DecoderBlock):
+        raise TypeError(
+            f"{type(inner).__name__} does not implement nemo_ac.models.interfaces.DecoderBlock (routed_moe())"
+        )
+    return inner.routed_moe()
 
 
-def holds_nested_fsdp_unit(block: nn.Module, *, moe: MoEConfig) -> bool:
-    return bool(nested_fsdp_units(block, moe=moe))
+def sequence_mixers(block: nn.Module) -> list[SequenceMixer]:
+    """Every ``SequenceMixer`` in the block: what context parallel must let see more than its own tokens."""
+    return [module for module in unwrap_block(block).modules() if isinstance(module, SequenceMixer)]

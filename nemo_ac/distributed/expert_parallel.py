@@ -29,8 +29,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from nemo_ac.config.schema import MoEConfig
-from nemo_ac.distributed.blocks import decoder_layers, unwrap_block
+from nemo_ac.distributed.blocks import decoder_layers, routed_moe
+from nemo_ac.distributed.plan import ParallelPlan
 from nemo_ac.models.common.dispatch import permute_tokens, sort_by_expert, unpermute_tokens, weighted_combine
 
 
@@ -141,22 +141,25 @@ def build_dispatcher(kind: str, *, ep_mesh: DeviceMesh, num_experts: int):
     raise ValueError(f"backend.dispatcher: unknown dispatcher {kind!r}; use torch or deepep")
 
 
-def apply_ep(model: nn.Module, *, ep_mesh: DeviceMesh | None, dispatcher: str, moe: MoEConfig) -> None:
-    """Shard every MoE layer's experts over ``ep_mesh`` and give the layer an expert-parallel dispatcher.
+def apply_ep(model: nn.Module, *, plan: ParallelPlan, ep_mesh: DeviceMesh | None) -> None:
+    """Shard every routed MoE's experts over ``ep_mesh`` and give it the plan's expert-parallel dispatcher.
 
     ``ep_mesh`` None (``parallel.ep: 1``): nothing to do; the local dispatcher stays.
     """
     if ep_mesh is None:
-        if dispatcher != "torch":
+        if plan.dispatcher != "torch":
             raise ValueError(
-                f"backend.dispatcher: {dispatcher!r} moves tokens between expert-parallel ranks but parallel.ep is 1; "
-                "set parallel.ep > 1 or backend.dispatcher: torch"
+                f"backend.dispatcher: {plan.dispatcher!r} moves tokens between expert-parallel ranks but parallel.ep "
+                "is 1; set parallel.ep > 1 or backend.dispatcher: torch"
             )
         return
-    shared = build_dispatcher(dispatcher, ep_mesh=ep_mesh, num_experts=moe.num_experts)
-    for block in decoder_layers(model):
-        inner = unwrap_block(block)
-        if not getattr(inner, "is_moe", False):
-            continue
-        shard_experts(inner.mlp.experts, ep_mesh=ep_mesh)
-        inner.mlp.dispatcher = shared
+    moes = [moe for block in decoder_layers(model) if (moe := routed_moe(block)) is not None]
+    if not moes:
+        return
+    num_experts = {moe.experts_module().num_experts for moe in moes}
+    if len(num_experts) != 1:
+        raise ValueError(f"MoE layers disagree on the number of experts: {sorted(num_experts)}")
+    shared = build_dispatcher(plan.dispatcher, ep_mesh=ep_mesh, num_experts=num_experts.pop())
+    for moe in moes:
+        shard_experts(moe.experts_module(), ep_mesh=ep_mesh)
+        moe.set_dispatcher(shared)

@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from nemo_ac.config.schema import FSDPConfig, MoEConfig
-from nemo_ac.distributed.blocks import decoder_layers, nested_fsdp_units, unwrap_block, vision_blocks
+from nemo_ac.distributed.blocks import decoder_layers, routed_moe, unwrap_block, vision_blocks
+from nemo_ac.distributed.plan import ParallelPlan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,51 +42,52 @@ def _shard_placement_for_experts(mesh: DeviceMesh):
 
 
 def apply_fsdp(
-    model: nn.Module,
-    *,
-    dense_mesh: DeviceMesh,
-    expert_mesh: DeviceMesh,
-    config: FSDPConfig,
-    moe: MoEConfig,
-    shard_inner_block: bool,
+    model: nn.Module, *, plan: ParallelPlan, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh
 ) -> list[FSDPModule]:
-    """fully_shard nested units, then each block, then the root. Returns every FSDP module, root last.
+    """fully_shard nested units, then each block, then the root, as the plan says. Returns every FSDP module, root
+    last.
 
-    shard_inner_block: shard the block under its AC wrapper (AC(fully_shard(block)): the block's own hooks run
-    inside the checkpoint) instead of the wrapper (fully_shard(AC(block)), torchtitan's layout).
+    A block plan's ``fsdp_unit`` says whether the block under its AC wrapper (``block``: AC(fully_shard(block)), the
+    block's own hooks run inside the checkpoint) or the wrapper (``wrapper``: fully_shard(AC(block)), torchtitan's
+    layout) is sharded; ``nested_units`` which submodules get their own unit first (the router in fp32 on the dense
+    mesh, the experts on the expert mesh).
     """
-    mp = MixedPrecisionPolicy(
-        param_dtype=torch_dtype(config.param_dtype), reduce_dtype=torch_dtype(config.reduce_dtype)
-    )
+    fsdp = plan.fsdp
+    mp = MixedPrecisionPolicy(param_dtype=torch_dtype(fsdp.param_dtype), reduce_dtype=torch_dtype(fsdp.reduce_dtype))
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     units: list[FSDPModule] = []
     block_units: list[FSDPModule] = []
     nested_by_block: list[list[FSDPModule]] = []
     # Vision blocks (VL families) are units of their own, like decoder blocks: the tower's weights are gathered
     # one block at a time, and a frozen tower's units have no gradients, so FSDP reduces nothing for them.
-    for block in vision_blocks(model) or []:
-        target = unwrap_block(block) if shard_inner_block else block
+    for block, block_plan in zip(vision_blocks(model) or [], plan.vision_blocks()):
+        target = unwrap_block(block) if block_plan.fsdp_unit == "block" else block
         units.append(
-            fully_shard(target, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward)
+            fully_shard(target, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
         )
-    for block in decoder_layers(model):
+    for block, block_plan in zip(decoder_layers(model), plan.decoder_blocks()):
         nested: list[FSDPModule] = []
-        for unit in nested_fsdp_units(block, moe=moe):
-            is_router = unit is getattr(unwrap_block(block).mlp, "gate", None)
-            kwargs = {}
-            if not is_router:
-                kwargs["shard_placement_fn"] = _shard_placement_for_experts(expert_mesh)
-            sharded = fully_shard(
-                unit,
-                mesh=dense_mesh if is_router else expert_mesh,
-                mp_policy=fp32 if is_router else mp,
-                reshard_after_forward=config.reshard_after_forward,
-                **kwargs,
-            )
-            nested.append(sharded)
-        target = unwrap_block(block) if shard_inner_block else block
+        moe = routed_moe(block) if block_plan.nested_units else None
+        for unit_name in block_plan.nested_units:
+            if unit_name == "router":
+                unit = fully_shard(
+                    moe.router_module(),
+                    mesh=dense_mesh,
+                    mp_policy=fp32,
+                    reshard_after_forward=fsdp.reshard_after_forward,
+                )
+            else:
+                unit = fully_shard(
+                    moe.experts_module(),
+                    mesh=expert_mesh,
+                    mp_policy=mp,
+                    reshard_after_forward=fsdp.reshard_after_forward,
+                    shard_placement_fn=_shard_placement_for_experts(expert_mesh),
+                )
+            nested.append(unit)
+        target = unwrap_block(block) if block_plan.fsdp_unit == "block" else block
         block_unit = fully_shard(
-            target, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward
+            target, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward
         )
         units.extend(nested)
         units.append(block_unit)
@@ -102,17 +103,17 @@ def apply_fsdp(
         # Plain SUM collectives (no PREMUL_SUM, which gloo lacks; no AVG): the loss is already normalized.
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
-    _set_prefetch(block_units, nested_by_block, config)
+    _set_prefetch(block_units, nested_by_block, forward=fsdp.forward_prefetch, backward=fsdp.backward_prefetch)
     return units
 
 
-def _set_prefetch(blocks: list[FSDPModule], nested: list[list[FSDPModule]], config: FSDPConfig) -> None:
+def _set_prefetch(blocks: list[FSDPModule], nested: list[list[FSDPModule]], *, forward: str, backward: str) -> None:
     """Explicit prefetch: each block all-gathers the next block and its nested units (forward) / the previous
     block and its nested units (backward). This is the layout where FSDP's all-gather runs only in recompute."""
-    if config.forward_prefetch == "explicit":
+    if forward == "explicit":
         for i, block in enumerate(blocks[:-1]):
             block.set_modules_to_forward_prefetch([blocks[i + 1], *nested[i + 1]])
-    if config.backward_prefetch == "explicit":
+    if backward == "explicit":
         for i in range(1, len(blocks)):
             blocks[i].set_modules_to_backward_prefetch([blocks[i - 1], *nested[i - 1]])
 

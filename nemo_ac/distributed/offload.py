@@ -44,9 +44,6 @@ from torch import nn
 
 from nemo_ac.distributed.blocks import decoder_layers
 
-# Attribute of the model that holds its offloader (set by ``apply_offload``; read with ``installed_offloader``).
-_ATTRIBUTE = "_nemo_ac_activation_offloader"
-
 
 @dataclass
 class OffloadStats:
@@ -205,17 +202,11 @@ class ActivationOffloader:
 
 def apply_offload(model: nn.Module, *, enabled: bool, min_bytes: int = 1024) -> ActivationOffloader | None:
     """Install offloading on every decoder block of ``model`` (after ``apply_ac``, so the hooks sit on the AC
-    wrapper and see the inputs the checkpoint saves). Returns the offloader, also kept on the model for
-    ``installed_offloader``; None when ``enabled`` is false."""
+    wrapper and see the inputs the checkpoint saves). Returns the offloader (``ParallelPlan.applied.offloader``);
+    None when ``enabled`` is false."""
     if not enabled:
         return None
     offloader = ActivationOffloader(min_bytes=min_bytes)
     for block in decoder_layers(model):
         offloader.install(block)
-    setattr(model, _ATTRIBUTE, offloader)
     return offloader
-
-
-def installed_offloader(model: nn.Module) -> ActivationOffloader | None:
-    """The offloader ``apply_offload`` installed on ``model`` (None without offloading)."""
-    return getattr(model, _ATTRIBUTE, None)

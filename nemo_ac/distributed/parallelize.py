@@ -1,6 +1,12 @@
-"""The parallelization recipe: EP -> CP -> AC (+ activation offloading) -> compile -> FSDP, each step one function."""
+"""The parallelization recipe: decide the plan, then EP -> CP -> AC (+ offload) -> compile -> FSDP, each one step.
+
+``parallelize`` returns the plan with what applying it produced (``ParallelPlan.applied``); the run prints
+``plan.summary_lines()`` and reads the offloader and the compiled checkpoint entries from there.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 from torch import nn
 
@@ -13,12 +19,13 @@ from nemo_ac.config.schema import (
 )
 from nemo_ac.distributed.activation_checkpointing import apply_ac, install_sac_fsdp_workarounds
 from nemo_ac.distributed.blocks import decoder_layers
-from nemo_ac.distributed.compile import apply_compile, plan_layouts, recompute_context_fns
+from nemo_ac.distributed.compile import apply_compile
 from nemo_ac.distributed.context_parallel import apply_cp
 from nemo_ac.distributed.expert_parallel import apply_ep
 from nemo_ac.distributed.fsdp import apply_fsdp
 from nemo_ac.distributed.mesh import ParallelMeshes
 from nemo_ac.distributed.offload import apply_offload
+from nemo_ac.distributed.plan import AppliedPlan, ParallelPlan, decide_plan
 from nemo_ac.models.common.te_backend import apply_te_backends
 
 
@@ -31,34 +38,38 @@ def parallelize(
     activation_checkpointing: ActivationCheckpointingConfig,
     compile: CompileConfig,
     backend: BackendConfig,
-) -> nn.Module:
-    """Apply every parallelism to a meta-device model in place (weights are materialized afterwards)."""
-    # Kernel backends first (backend.*: te swaps Transformer Engine modules into the blocks; torch: nothing).
-    apply_te_backends(decoder_layers(model), backend=backend)
-    apply_ep(model, ep_mesh=meshes.ep_mesh, dispatcher=backend.dispatcher, moe=model_config.moe)
-    apply_cp(model, cp_mesh=meshes.cp, cp_type=parallel.cp_type)
-    # Compile layouts are decided per block before AC wraps it: only AC(compile(block)) gets the forward-thread
-    # compile context in its checkpoint.
-    layouts = plan_layouts(
-        model, config=compile, moe=model_config.moe, activation_checkpointing=activation_checkpointing
-    )
-    apply_ac(
+) -> ParallelPlan:
+    """Decide the plan for a meta-device model, apply it in place (weights are materialized afterwards), return it."""
+    plan = decide_plan(
         model,
-        config=activation_checkpointing,
-        extra_context_fns=recompute_context_fns(compile, layouts=layouts),
-        moe=model_config.moe,
+        model_config=model_config,
+        parallel=parallel,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+        backend=backend,
+        ep=meshes.layout.ep,
+        cp=meshes.layout.cp,
     )
+    return apply_plan(model, plan=plan, meshes=meshes)
+
+
+def apply_plan(model: nn.Module, *, plan: ParallelPlan, meshes: ParallelMeshes) -> ParallelPlan:
+    """Apply a decided plan; returns it with ``applied`` filled in."""
+    # Kernel backends first (te swaps Transformer Engine modules into the blocks; torch / sdpa: nothing).
+    apply_te_backends(decoder_layers(model), **dict(plan.backends))
+    apply_ep(model, plan=plan, ep_mesh=meshes.ep_mesh)
+    apply_cp(model, plan=plan, cp_mesh=meshes.cp)
+    apply_ac(model, plan=plan)
     # On the AC wrapper (outside the checkpoint), so it sees the block inputs full AC saves (offload.py).
-    apply_offload(model, enabled=activation_checkpointing.offload)
-    apply_compile(model, config=compile, layouts=layouts)
-    apply_fsdp(
-        model,
-        dense_mesh=meshes.dense_fsdp,
-        expert_mesh=meshes.expert_fsdp,
-        config=parallel.fsdp,
-        moe=model_config.moe,
-        shard_inner_block=activation_checkpointing.placement == "outside",
+    offloader = apply_offload(model, enabled=any(block.offload for block in plan.decoder_blocks()))
+    compiled = apply_compile(model, plan=plan)
+    units = apply_fsdp(model, plan=plan, dense_mesh=meshes.dense_fsdp, expert_mesh=meshes.expert_fsdp)
+    # After fully_shard: FSDP2's forward hooks run outside the SAC modes (workarounds.fsdp_hooks_in_sac).
+    bracketed = install_sac_fsdp_workarounds(model, plan=plan)
+    applied = AppliedPlan(
+        offloader=offloader,
+        compiled_checkpoint_entries=tuple(sorted({c.checkpoint_entry for c in compiled if c.checkpoint_entry})),
+        fsdp_units=len(units),
+        fsdp_units_bracketed=bracketed,
     )
-    # After fully_shard: FSDP2's forward hooks run outside the SAC modes (torch 2.13 SAC desync, sac_compat).
-    install_sac_fsdp_workarounds(model, config=activation_checkpointing)
-    return model
+    return dataclasses.replace(plan, applied=applied)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from nemo_ac.distributed.sac_compat import profiler_op_overloads, profiler_ops_ignored_upstream
+from nemo_ac.workarounds.profiler_ops_in_sac import profiler_op_overloads, profiler_ops_ignored_upstream
 
 T = TypeVar("T")
 

@@ -12,9 +12,9 @@ import re
 import torch.utils.checkpoint as torch_checkpoint
 
 from nemo_ac import compat
-from nemo_ac.distributed.sac_compat import profiler_op_overloads
 from nemo_ac.doctor.isolation import private_sac_ignored_ops
 from nemo_ac.doctor.result import ProbeRun, recording
+from nemo_ac.workarounds.profiler_ops_in_sac import profiler_op_overloads
 
 NOT_IGNORED = re.compile(r"not in torch\.utils\.checkpoint\.SAC_IGNORED_OPS")
 

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -18,82 +18,70 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_ac.distributed.sac_compat import (
-    PROFILER_OPS_SINCE,
-    fsdp_hooks_outside_sac_supported,
-    torch_version_release,
-)
 from nemo_ac.doctor.args import add_doctor_arguments
 from nemo_ac.doctor.report import DoctorReport, render_table
 from nemo_ac.doctor.result import ProbeRun, judge
 from nemo_ac.doctor.spawn import TwoRankLaunch
-
-
-def _profiler_gate(version: str | None) -> bool:
-    return torch_version_release(version) >= PROFILER_OPS_SINCE
-
-
-def _fsdp_gate(version: str | None) -> bool:
-    return fsdp_hooks_outside_sac_supported(torch_version=version)
-
-
-def _always(version: str | None) -> bool:
-    return True
+from nemo_ac.workarounds.registry import workaround as registry_row
 
 
 @dataclass(frozen=True)
 class ProbeSpec:
-    """One row: ``target`` is ``"module.function(*, workaround, device[, torch_version]) -> ProbeRun"``."""
+    """One row: ``target`` is ``"module.function(*, workaround, device[, torch_version]) -> ProbeRun"``; ``fix``
+    names the ``nemo_ac.workarounds`` registry row it tests (its gate and its compat entry point)."""
 
     name: str
     title: str
-    workaround: str
+    fix: str
     target: str
-    gate: Callable[[str | None], bool]  # does nemo_ac enable the workaround on this torch version?
     version_gated: bool  # the target takes torch_version (the gate is applied inside the run)
     processes: int = 1
+
+    @property
+    def workaround(self) -> str:
+        """What another trainer calls (the registry row's compat entry, first part)."""
+        return registry_row(self.fix).compat.split(" + ")[0].split(" / ")[0]
+
+    def gate(self, torch_version: str | None) -> bool:
+        """Does nemo_ac enable the workaround on this torch version?"""
+        return registry_row(self.fix).active(torch_version=torch_version)
 
 
 PROBES: tuple[ProbeSpec, ...] = (
     ProbeSpec(
         "upstream_profiler_ignore",
         "torch's SAC ignores FSDP2's profiler ops",
-        "compat.install()",
+        "profiler_ops_in_sac",
         "nemo_ac.doctor.probes_upstream.run_upstream_profiler_check",
-        _profiler_gate,
         version_gated=True,
     ),
     ProbeSpec(
         "sac_profiler_ops",
         "SAC desync from FSDP2 record_function ops (nested unit in a SAC region)",
-        "compat.install()",
+        "profiler_ops_in_sac",
         "nemo_ac.doctor.probes_sac.run_profiler_ops_probe",
-        _profiler_gate,
         version_gated=True,
     ),
     ProbeSpec(
         "sac_fsdp_prefetch",
         "SAC desync from FSDP2 all-gather under explicit prefetch (2 processes)",
-        "compat.protect_fsdp_units(model)",
+        "fsdp_hooks_in_sac",
         "nemo_ac.doctor.probes_sac.run_fsdp_prefetch_rank",
-        _fsdp_gate,
         version_gated=True,
         processes=2,
     ),
     ProbeSpec(
         "thread_config",
         "recompute on the backward thread sees the forward's Dynamo config",
-        "compat.forward_thread_compile_context",
+        "forward_thread_compile_config",
         "nemo_ac.doctor.probes_thread.run_thread_config_probe",
-        _always,
         version_gated=False,
     ),
     ProbeSpec(
         "recompute_thread",
         "AC(compile(block)) recompute compiling on another thread",
-        "compat.forward_thread_compile_context",
+        "forward_thread_compile_config",
         "nemo_ac.doctor.probes_thread.run_recompute_thread_probe",
-        _always,
         version_gated=False,
     ),
 )

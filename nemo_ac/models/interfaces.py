@@ -1,4 +1,4 @@
-"""Data that crosses the model boundary: what a forward takes besides token ids, and what it returns.
+"""What crosses the model boundary: the data a forward takes and returns, and the contract with the parallelizer.
 
 Per-micro-batch attention metadata travels as an argument (``AttentionInputs``), never through module globals,
 so compiled blocks see it as graph inputs and the parallelizer can swap attention ops without reaching into the
@@ -8,9 +8,10 @@ data pipeline.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -55,3 +56,59 @@ class ModelOutput:
 # unshard) and torch.compile see the tensors inside them. Registering our own types changes no torch behaviour.
 torch.utils._pytree.register_dataclass(RouterStats)
 torch.utils._pytree.register_dataclass(ModelOutput)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The contract between a model family and the parallelizer (nemo_ac.distributed.plan / parallelize): what a model,
+# its decoder blocks, their sequence mixers and their routed MoE expose. Every family implements it; the
+# parallelizer probes no attribute names beyond these.
+
+
+@runtime_checkable
+class SequenceMixer(Protocol):
+    """A module that mixes tokens along the sequence through one swappable op, the only part of a block that
+    context parallel changes (``apply_cp`` replaces ``getattr(mixer, mixer_op_name)`` with its CP version).
+
+    mixer_kind: ``softmax_attention`` (op ``attn_op``: ulysses or ring), ``linear_attention`` (Gated DeltaNet,
+        ``linear_attn_op``: ulysses only) or ``ssm`` (Mamba-2, ``ssm_op``: ulysses only).
+    """
+
+    mixer_kind: ClassVar[str]
+    mixer_op_name: ClassVar[str]
+
+
+@runtime_checkable
+class RoutedMoE(Protocol):
+    """A routed Mixture-of-Experts layer: a router module, the routed expert weights and a swappable dispatcher.
+
+    router_module: the router weights (its own fp32 FSDP unit with ``moe.router_dtype: float32``).
+    experts_module: the routed experts' weights [E, ...] (sharded over EP on dim 0; its own FSDP unit with
+        ``moe.separate_fsdp_unit``).
+    set_dispatcher: replace the local dispatcher with an expert-parallel one (``dispatch`` / ``combine``).
+    """
+
+    def router_module(self) -> nn.Module: ...
+
+    def experts_module(self) -> nn.Module: ...
+
+    def set_dispatcher(self, dispatcher: Any) -> None: ...
+
+
+@runtime_checkable
+class DecoderBlock(Protocol):
+    """One decoder block: its routed MoE (None for dense blocks); its mixers are found as ``SequenceMixer``
+    submodules."""
+
+    def routed_moe(self) -> RoutedMoE | None: ...
+
+
+@runtime_checkable
+class ParallelizableModel(Protocol):
+    """A causal LM the parallelizer can take: its decoder block list (and where it sits, for region names in
+    errors and the printed plan), and its vision tower's blocks (None for text-only models)."""
+
+    decoder_blocks_path: ClassVar[str]
+
+    def decoder_blocks(self) -> nn.ModuleList: ...
+
+    def vision_blocks(self) -> nn.ModuleList | None: ...

@@ -12,9 +12,8 @@ transformers says ``model.``; ``nemo_ac.models.hf.io`` renames both ways.) Each 
 
 Layers follow ``qwen3_moe.DecoderLayer``'s contract: ``forward(hidden, *, rope, attn) -> (hidden, RouterStats |
 None)`` (``rope`` is ignored: Nemotron-H has no positional encoding) and ``is_moe``. transformers names every
-layer's module ``mixer``; ``layer.mlp`` is a read-only property returning the mixer of E and - layers (None
-otherwise), so ``nemo_ac.distributed.blocks`` finds ``layer.mlp.gate`` / ``.experts`` / ``.dispatcher`` without any
-name in the state dict changing. Swap submodules through ``layer.mixer``, never by assigning ``layer.mlp``.
+layer's module ``mixer``; the parallelizer reaches an E layer's router, experts and dispatcher through
+``routed_moe()`` (``nemo_ac.models.interfaces.DecoderBlock``), so no state-dict name changes.
 """
 
 from __future__ import annotations
@@ -102,10 +101,9 @@ class NemotronHBlock(nn.Module):
         else:
             self.mixer = NonGatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
-    @property
-    def mlp(self) -> nn.Module | None:
-        """The feed-forward mixer (MoE or dense MLP) under the name the parallelizer looks for; None otherwise."""
-        return self.mixer if self.block_type in ("moe", "mlp") else None
+    def routed_moe(self) -> NemotronHMoE | None:
+        """interfaces.DecoderBlock: the routed MoE of an E layer (None for the others)."""
+        return self.mixer if self.block_type == "moe" else None
 
     def forward(
         self, hidden: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor] | None, attn: AttentionInputs
@@ -145,6 +143,8 @@ class NemotronHModel(nn.Module):
 class NemotronHForCausalLM(nn.Module):
     """Causal LM head over ``NemotronHModel``. ``self.config`` is the ``ModelConfig`` it was built from."""
 
+    decoder_blocks_path = "model.layers"  # interfaces.ParallelizableModel
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -152,6 +152,12 @@ class NemotronHForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.tie_weights()
+
+    def decoder_blocks(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def vision_blocks(self) -> nn.ModuleList | None:
+        return None
 
     def tie_weights(self) -> None:
         """Share the embedding with the output projection (call again after ``to_empty``)."""

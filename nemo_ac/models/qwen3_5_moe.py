@@ -114,6 +114,10 @@ class Qwen3_5MoeDecoderLayer(nn.Module):
             MoE(cfg.hidden_size, cfg.moe) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         )
 
+    def routed_moe(self) -> MoE | None:
+        """interfaces.DecoderBlock: the routed MoE of this block (None: a dense block)."""
+        return self.mlp if self.is_moe else None
+
     def forward(
         self, hidden: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionInputs
     ) -> tuple[torch.Tensor, RouterStats | None]:
@@ -176,6 +180,8 @@ class Qwen3_5MoeModel(nn.Module):
 class Qwen3_5MoeForConditionalGeneration(nn.Module):
     """Causal LM head over ``Qwen3_5MoeModel``. ``self.config`` is the ``ModelConfig`` it was built from."""
 
+    decoder_blocks_path = "model.language_model.layers"  # interfaces.ParallelizableModel
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -183,6 +189,12 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.tie_weights()
+
+    def decoder_blocks(self) -> nn.ModuleList:
+        return self.model.language_model.layers
+
+    def vision_blocks(self) -> nn.ModuleList | None:
+        return self.model.visual.blocks if self.model.visual is not None else None
 
     def tie_weights(self) -> None:
         """Share the embedding with the output projection (call again after ``to_empty``)."""

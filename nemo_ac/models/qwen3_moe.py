@@ -51,6 +51,10 @@ class DecoderLayer(nn.Module):
             self.moe_class(cfg.hidden_size, cfg.moe) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         )
 
+    def routed_moe(self) -> MoE | None:
+        """interfaces.DecoderBlock: the routed MoE of this block (None: a dense block)."""
+        return self.mlp if self.is_moe else None
+
     def forward(
         self, hidden: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionInputs
     ) -> tuple[torch.Tensor, RouterStats | None]:
@@ -91,6 +95,7 @@ class Qwen3MoeForCausalLM(nn.Module):
     """Causal LM head over ``Qwen3MoeModel``. ``self.config`` is the ``ModelConfig`` it was built from."""
 
     model_class: type[Qwen3MoeModel] = Qwen3MoeModel
+    decoder_blocks_path = "model.layers"  # interfaces.ParallelizableModel
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -99,6 +104,12 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.tie_weights()
+
+    def decoder_blocks(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def vision_blocks(self) -> nn.ModuleList | None:
+        return None
 
     def tie_weights(self) -> None:
         """Share the embedding with the output projection (call again after ``to_empty``)."""

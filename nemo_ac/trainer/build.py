@@ -22,6 +22,7 @@ from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.data.sources import build_batches
 from nemo_ac.distributed.mesh import ParallelMeshes, build_meshes
 from nemo_ac.distributed.parallelize import parallelize
+from nemo_ac.distributed.plan import ParallelPlan
 from nemo_ac.models import build_model, model_dtype
 from nemo_ac.models.common.experts import choose_experts_impl
 from nemo_ac.models.freeze import freeze
@@ -47,6 +48,7 @@ class TrainingSetup:
     data: Any
     weights: str  # "random init" or where the pretrained weights came from
     frozen: dict[str, int]  # parameter group -> frozen parameter count
+    plan: ParallelPlan  # what parallelize did to every block, and what it produced (offloader, compiled entries)
     kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # kernel choices, e.g. experts -> grouped_mm
 
 
@@ -71,12 +73,12 @@ def choose_kernels(recipe: RecipeConfig, *, device: torch.device) -> tuple[Recip
 
 def build_parallel_model(
     recipe: RecipeConfig, layout: ParallelLayout, *, device: torch.device
-) -> tuple[nn.Module, ParallelMeshes]:
-    """Meshes, the model on meta, parallelized as the recipe says (weights not yet materialized)."""
+) -> tuple[nn.Module, ParallelMeshes, ParallelPlan]:
+    """Meshes, the model on meta, parallelized as the recipe says (weights not yet materialized), and its plan."""
     meshes = build_meshes(layout, device_type=device.type)
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model)
-    parallelize(
+    plan = parallelize(
         model,
         meshes=meshes,
         model_config=recipe.model,
@@ -85,13 +87,13 @@ def build_parallel_model(
         compile=recipe.compile,
         backend=recipe.backend,
     )
-    return model, meshes
+    return model, meshes, plan
 
 
 def build_training(recipe: RecipeConfig, layout: ParallelLayout, *, device: torch.device) -> TrainingSetup:
     """The parallelized model with its weights, frozen groups, optimizer, scheduler and this rank's data."""
     recipe, kernels = choose_kernels(recipe, device=device)
-    model, meshes = build_parallel_model(recipe, layout, device=device)
+    model, meshes, plan = build_parallel_model(recipe, layout, device=device)
     weights = materialize_weights(model, model_config=recipe.model, device=device, seed=recipe.train.seed)
     switches = dataclasses.asdict(recipe.train.freeze)
     frozen = freeze(model, **switches) if any(switches.values()) else {}
@@ -118,6 +120,7 @@ def build_training(recipe: RecipeConfig, layout: ParallelLayout, *, device: torc
         data=data,
         weights=weights,
         frozen=frozen,
+        plan=plan,
         kernels=kernels,
     )
 

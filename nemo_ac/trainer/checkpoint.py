@@ -18,7 +18,6 @@ of leaving some of them waiting in a collective.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 import warnings
@@ -46,7 +45,6 @@ __all__ = [
     "Checkpointer",
     "TrainingState",
     "check_checkpoint_paths",
-    "elastic_restart_hazard",
 ]
 
 _MAX_LISTED = 8
@@ -104,29 +102,6 @@ def check_checkpoint_paths(config: CheckpointConfig) -> list[ConfigIssue]:
             "new checkpoint.dir",
         )
     ]
-
-
-def elastic_restart_hazard() -> str | None:
-    """Why a torchrun restart of this job may fail to start its process group, or None.
-
-    torch 2.13's c10d rendezvous (``--standalone`` / ``--rdzv-backend c10d``) shares one agent-hosted TCPStore with
-    the workers for the whole job and workers add no per-attempt prefix, so after a restart ``init_process_group``
-    can read the killed attempt's gloo addresses (or NCCL unique id) and fail with "Gloo connectFullMesh failed ...
-    Connection refused" or hang (pytorch/pytorch#135712; in 2.13 ``DynamicRendezvousHandler.next_rendezvous``
-    creates the shared server once per job, not once per attempt, so a fresh server per retry no longer applies;
-    seen here on restarts of the kill test about one time in two). Starting torchrun
-    with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every attempt a fresh store; ``nemo-ac train
-    --max-restarts`` sets it. Read from the worker environment torchrun exports (agent settings are not visible).
-    """
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) <= 0:
-        return None
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    return (
-        "torchrun --max-restarts with its shared TCPStore: a restarted attempt may fail in init_process_group "
-        "(stale addresses of the killed attempt, pytorch/pytorch#135712); launch torchrun with "
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (nemo-ac train --max-restarts does)"
-    )
 
 
 def _rank() -> int:

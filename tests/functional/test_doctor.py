@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from nemo_ac.distributed.sac_compat import torch_version_release
 from nemo_ac.doctor.args import PROBE_NAMES
+from nemo_ac.workarounds.gates import torch_version_release
 from tests.launch import ROOT, child_env
 
 pytestmark = [

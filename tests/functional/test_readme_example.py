@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_ac.distributed.sac_compat import torch_version_release
+from nemo_ac.workarounds.gates import torch_version_release
 from tests.launch import ROOT, child_env
 
 pytestmark = pytest.mark.functional

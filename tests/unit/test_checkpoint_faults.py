@@ -11,9 +11,9 @@ import signal
 import pytest
 import torch
 
-from nemo_ac.trainer.checkpoint import elastic_restart_hazard
 from nemo_ac.trainer.loop import LoopOptions, Trainer, inject_failure
 from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics
+from nemo_ac.workarounds.rendezvous_shared_store import elastic_restart_hazard
 
 
 def metrics(step: int, loss: float) -> StepMetrics:

@@ -17,7 +17,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from nemo_ac import compat
 from nemo_ac.diagnostics.sac_explain import SACDesyncError
-from nemo_ac.distributed.sac_compat import profiler_op_overloads
 from nemo_ac.doctor.isolation import on_thread, private_sac_ignored_ops
 from nemo_ac.doctor.probes_sac import (
     PROFILER_DESYNC,
@@ -27,6 +26,7 @@ from nemo_ac.doctor.probes_sac import (
     shard_nested_unit_net,
 )
 from nemo_ac.doctor.probes_thread import FORWARD_CONFIG, _read_config
+from nemo_ac.workarounds.profiler_ops_in_sac import profiler_op_overloads
 from tests.launch import ROOT, child_env
 
 CPU = torch.device("cpu")

@@ -26,7 +26,8 @@ from torch.utils.checkpoint import CheckpointError
 from nemo_ac.config.schema import ActivationCheckpointingConfig, CompileConfig, ModelConfig, MoEConfig
 from nemo_ac.diagnostics.recompiles import CompileAccounting
 from nemo_ac.distributed.activation_checkpointing import apply_ac
-from nemo_ac.distributed.compile import apply_compile, plan_layouts, recompute_context_fns
+from nemo_ac.distributed.compile import apply_compile
+from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
 from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.init import materialize_and_init
@@ -50,9 +51,9 @@ def tiny_ac_outer(*, forward_thread_context: bool) -> torch.nn.Module:
     )
     ac = ActivationCheckpointingConfig(mode="full")
     model = build_model(cfg)
-    layouts = plan_layouts(model, config=compile_config, moe=cfg.moe, activation_checkpointing=ac)
-    apply_ac(model, config=ac, extra_context_fns=recompute_context_fns(compile_config, layouts=layouts), moe=cfg.moe)
-    apply_compile(model, config=compile_config, layouts=layouts)
+    plan = decide_plan(model, compile=compile_config, activation_checkpointing=ac)
+    apply_ac(model, plan=plan)
+    apply_compile(model, plan=plan)
     materialize_and_init(model, device=torch.device("cpu"), seed=0)
     return model
 

@@ -14,15 +14,13 @@ from torch._dynamo.utils import counters
 
 from nemo_ac.config.schema import CompileConfig
 from nemo_ac.diagnostics.recompiles import CompileAccounting
-from nemo_ac.distributed.compile import (
-    DYNAMIC_INT_ARGS,
-    CompileSettings,
+from nemo_ac.distributed.compile import CompileSettings, use_compile_settings
+from nemo_ac.models.interfaces import AttentionInputs
+from nemo_ac.workarounds.dynamic_per_batch_ints import DYNAMIC_INT_ARGS, dynamic_source_patterns
+from nemo_ac.workarounds.forward_thread_compile_config import (
     apply_thread_compile_config,
     capture_thread_compile_config,
-    dynamic_source_patterns,
-    use_compile_settings,
 )
-from nemo_ac.models.interfaces import AttentionInputs
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

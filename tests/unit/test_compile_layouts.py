@@ -11,19 +11,16 @@ from nemo_ac.config import ConfigError, load_recipe, validate_recipe
 from nemo_ac.config.schema import ActivationCheckpointingConfig, CompileConfig, ModelConfig, MoEConfig
 from nemo_ac.diagnostics.recompiles import CompileAccounting, EagerFallbackWarning
 from nemo_ac.distributed.activation_checkpointing import apply_ac
+from nemo_ac.distributed.activation_checkpointing.wrapping import block_context_fns
 from nemo_ac.distributed.blocks import decoder_layers, unwrap_block
-from nemo_ac.distributed.compile import (
-    apply_compile,
-    compiled_checkpoint_entries,
-    forward_thread_compile_context,
-    plan_layouts,
-    recompute_context_fns,
-)
+from nemo_ac.distributed.compile import apply_compile
 from nemo_ac.distributed.mesh import build_meshes
 from nemo_ac.distributed.parallelize import parallelize
+from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
 from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
 from tests.launch import RECIPES
 
 FULL = ActivationCheckpointingConfig(mode="full")
@@ -34,8 +31,12 @@ def model_config(**moe: object) -> ModelConfig:
     return ModelConfig(num_layers=3, first_k_dense_replace=1, moe=MoEConfig(**moe))
 
 
+def plan_for(cfg: ModelConfig, compile_config: CompileConfig = ON, ac: ActivationCheckpointingConfig = FULL):
+    return decide_plan(build_model(cfg), compile=compile_config, activation_checkpointing=ac)
+
+
 def layouts_for(cfg: ModelConfig, compile_config: CompileConfig = ON, ac: ActivationCheckpointingConfig = FULL):
-    return plan_layouts(build_model(cfg), config=compile_config, moe=cfg.moe, activation_checkpointing=ac)
+    return plan_for(cfg, compile_config, ac).compile_layouts()
 
 
 def test_auto_puts_ac_outside_only_for_blocks_with_a_nested_fsdp_unit():
@@ -56,20 +57,21 @@ def test_other_layout_choices():
 
 
 def test_forward_thread_context_only_on_ac_outer_blocks():
-    for_block = recompute_context_fns(ON, layouts=["compile_outer", "ac_outer", None])
-    assert [for_block(i, None) for i in range(3)] == [[], [forward_thread_compile_context], []]
-    off = CompileConfig(enabled=True, forward_thread_context=False)
-    assert recompute_context_fns(off, layouts=["ac_outer"])(0, None) == []
+    plan = plan_for(model_config())  # compile_outer, ac_outer, ac_outer
+    contexts = [block_context_fns(b, plan=plan) for b in plan.decoder_blocks()]
+    assert contexts == [[], [forward_thread_compile_context], [forward_thread_compile_context]]
+    off = plan_for(model_config(), CompileConfig(enabled=True, forward_thread_context=False))
+    assert [block_context_fns(b, plan=off) for b in off.decoder_blocks()] == [[], [], []]
 
 
 def test_blocks_are_compiled_in_place_and_keep_their_parameter_names():
     cfg = model_config()
     model = build_model(cfg)
     names = [name for name, _ in model.named_parameters()]
-    layouts = plan_layouts(model, config=ON, moe=cfg.moe, activation_checkpointing=FULL)
-    apply_ac(model, config=FULL, extra_context_fns=recompute_context_fns(ON, layouts=layouts), moe=cfg.moe)
+    plan = decide_plan(model, compile=ON, activation_checkpointing=FULL)
+    apply_ac(model, plan=plan)
     wrapped_names = [name for name, _ in model.named_parameters()]
-    report = apply_compile(model, config=ON, layouts=layouts)
+    report = apply_compile(model, plan=plan)
     assert [name for name, _ in model.named_parameters()] == wrapped_names
     assert [n.replace("._checkpoint_wrapped_module", "") for n in wrapped_names] == names
     assert [(b.layout, b.compiled) for b in report] == [
@@ -80,15 +82,17 @@ def test_blocks_are_compiled_in_place_and_keep_their_parameter_names():
     layers = decoder_layers(model)
     assert "forward" in vars(layers[0]) and "forward" not in vars(unwrap_block(layers[0]))
     assert "forward" in vars(unwrap_block(layers[1]))
-    assert len(compiled_checkpoint_entries(model)) == 1  # the CheckpointWrapper.forward that compile_outer traces
+    # the CheckpointWrapper.forward that compile_outer traces
+    assert len({b.checkpoint_entry for b in report if b.checkpoint_entry}) == 1
     with pytest.raises(RuntimeError, match="already compiled"):
-        apply_compile(model, config=ON, layouts=layouts)
+        apply_compile(model, plan=plan)
 
 
 def test_unknown_backend_names_the_key():
     model = build_model(model_config())
+    plan = decide_plan(model, compile=CompileConfig(enabled=True, backend="inductr"), activation_checkpointing=FULL)
     with pytest.raises(ConfigError, match=r"compile.backend: 'inductr' is not a registered torch.compile backend"):
-        apply_compile(model, config=CompileConfig(enabled=True, backend="inductr"), layouts=[None, None, "ac_outer"])
+        apply_compile(model, plan=plan)
 
 
 def test_validation_rejects_the_silent_eager_layouts_before_any_process_group():
@@ -107,13 +111,14 @@ def test_validation_rejects_the_silent_eager_layouts_before_any_process_group():
 # the eager fallback, observed
 
 
-def sharded_tiny(layout: str | None) -> torch.nn.Module:
-    """The tiny recipe (experts as a nested FSDP unit) through the production parallelizer, world size 1."""
+def sharded_tiny(layout: str | None) -> tuple[torch.nn.Module, list]:
+    """The tiny recipe (experts as a nested FSDP unit) through the production parallelizer, world size 1; the model
+    and the compiled checkpoint entries its plan reports."""
     recipe = load_recipe(RECIPES / "tiny" / "qwen3_moe_tiny.yaml", ["model.num_layers=1"])
     layout_cfg = validate_recipe(recipe, world_size=1)
     compile_config = CompileConfig(enabled=layout is not None, backend="aot_eager", layout=layout or "auto")
     model = build_model(recipe.model)
-    parallelize(
+    plan = parallelize(
         model,
         meshes=build_meshes(layout_cfg, device_type="cpu"),
         model_config=recipe.model,
@@ -123,7 +128,7 @@ def sharded_tiny(layout: str | None) -> torch.nn.Module:
         backend=recipe.backend,
     )
     materialize_and_init(model, device=torch.device("cpu"), seed=0)
-    return model
+    return model, list(plan.applied.compiled_checkpoint_entries)
 
 
 def loss_of(model: torch.nn.Module) -> float:
@@ -139,9 +144,8 @@ def loss_of(model: torch.nn.Module) -> float:
 def test_compile_outer_over_a_nested_fsdp_unit_runs_eagerly_and_is_reported(world, fresh_dynamo):
     """compile(AC(block)) with the experts' FSDP hooks inside the checkpoint: Dynamo captures no graph at all (the
     block silently runs eagerly); validation rejects this layout, and CompileAccounting warns if it happens."""
-    expected = loss_of(sharded_tiny(None))
-    model = sharded_tiny("compile_outer")
-    watch = compiled_checkpoint_entries(model)
+    expected = loss_of(sharded_tiny(None)[0])
+    model, watch = sharded_tiny("compile_outer")
     with (
         CompileAccounting(watch_checkpoint_entries=watch) as accounting,
         pytest.warns(EagerFallbackWarning, match=r"compile\(AC\(block\)\) captured no graph"),

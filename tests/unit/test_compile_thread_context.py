@@ -20,14 +20,13 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from nemo_ac.diagnostics.recompiles import CompileAccounting, EagerFallbackWarning
 from nemo_ac.distributed.activation_checkpointing import compose_context_fns
-from nemo_ac.distributed.compile import (
-    CompileSettings,
+from nemo_ac.distributed.compile import CompileSettings, use_compile_settings
+from nemo_ac.doctor.isolation import on_thread, other_num_threads
+from nemo_ac.workarounds.forward_thread_compile_config import (
     apply_thread_compile_config,
     capture_thread_compile_config,
     forward_thread_compile_context,
-    use_compile_settings,
 )
-from nemo_ac.doctor.isolation import on_thread, other_num_threads
 
 DEFAULT_LIMIT = 8  # torch._dynamo.config.recompile_limit's default (2.12 - 2.13)
 SAC_REPLAY_FAILURE = re.compile(r"Recomputed values for the following tensors|not found in storage")

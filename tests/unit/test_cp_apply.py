@@ -8,11 +8,12 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from nemo_ac.config.schema import ModelConfig, MoEConfig
+from nemo_ac.config.schema import ModelConfig, MoEConfig, ParallelConfig
 from nemo_ac.distributed.blocks import decoder_layers
 from nemo_ac.distributed.context_parallel import apply_cp
 from nemo_ac.distributed.context_parallel.ring import ring_attention
 from nemo_ac.distributed.context_parallel.ulysses import ulysses_attention, ulysses_linear_attention, ulysses_ssm
+from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
 from nemo_ac.models.common.attention import packed_causal_attention
 
@@ -38,6 +39,12 @@ def _ops(model) -> list[tuple[str, object]]:
     return found
 
 
+def _apply_cp(model, *, cp_mesh, cp_type: str) -> None:
+    """The plan for cp_type at cp 2 (the plan checks the mixers), applied over the one-rank CP group."""
+    plan = decide_plan(model, parallel=ParallelConfig(cp_type=cp_type), cp=2)
+    apply_cp(model, plan=plan, cp_mesh=cp_mesh)
+
+
 def _wrapped(op) -> object:
     return op.func if isinstance(op, functools.partial) else op
 
@@ -45,7 +52,7 @@ def _wrapped(op) -> object:
 def test_ring_and_ulysses_replace_softmax_attention(cp_mesh) -> None:
     for cp_type, expected in (("ring", ring_attention), ("ulysses", ulysses_attention)):
         model = build_model(ModelConfig(num_layers=2, moe=MOE))
-        apply_cp(model, cp_mesh=cp_mesh, cp_type=cp_type)
+        _apply_cp(model, cp_mesh=cp_mesh, cp_type=cp_type)
         ops = _ops(model)
         assert len(ops) == 2 and all(_wrapped(op) is expected for _, op in ops)
         if cp_type == "ulysses":  # wraps, keeping the model's own op for the head shard
@@ -68,7 +75,7 @@ def test_ulysses_wraps_every_mixer_of_a_hybrid_family_and_ring_refuses_it(cp_mes
     wrappers = {"attn_op": ulysses_attention, "linear_attn_op": ulysses_linear_attention, "ssm_op": ulysses_ssm}
     model = build_model(cfg)
     assert sorted(attr for attr, _ in _ops(model)) == ["attn_op", "ssm_op"]
-    apply_cp(model, cp_mesh=cp_mesh, cp_type="ulysses")
+    _apply_cp(model, cp_mesh=cp_mesh, cp_type="ulysses")
     assert sorted(attr for attr, op in _ops(model) if _wrapped(op) is wrappers[attr]) == ["attn_op", "ssm_op"]
     with pytest.raises(ValueError, match=r"parallel.cp_type: ring .* Mamba-2 scan mixer .* Use cp_type: ulysses"):
-        apply_cp(build_model(cfg), cp_mesh=cp_mesh, cp_type="ring")
+        _apply_cp(build_model(cfg), cp_mesh=cp_mesh, cp_type="ring")

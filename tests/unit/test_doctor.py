@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from nemo_ac.distributed.sac_compat import torch_version_release
 from nemo_ac.doctor.args import PROBE_NAMES
 from nemo_ac.doctor.probes_sac import PROFILER_DESYNC, run_profiler_ops_probe
 from nemo_ac.doctor.probes_thread import run_thread_config_probe
@@ -22,6 +21,7 @@ from nemo_ac.doctor.probes_upstream import run_upstream_profiler_check
 from nemo_ac.doctor.report import DoctorReport, render_table
 from nemo_ac.doctor.result import ProbeRun, judge
 from nemo_ac.doctor.runner import PROBES
+from nemo_ac.workarounds.gates import torch_version_release
 
 pytestmark = pytest.mark.skipif(
     torch_version_release() < (2, 13), reason="the verdicts below are torch 2.13's (nemo_ac's pinned torch)"

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 
 from nemo_ac.cli import main
-from nemo_ac.distributed.sac_compat import torch_version_release
+from nemo_ac.workarounds.gates import torch_version_release
 
 pytestmark = pytest.mark.skipif(torch_version_release() < (2, 13), reason="the verdicts below are torch 2.13's")
 

@@ -14,8 +14,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_ac.config import ConfigError
-from nemo_ac.config.schema import MoEConfig
+from nemo_ac.config.schema import BackendConfig, ModelConfig, MoEConfig
 from nemo_ac.distributed.expert_parallel import AllToAllDispatcher, apply_ep, source_major_to_expert_major
+from nemo_ac.distributed.plan import decide_plan
+from nemo_ac.models import build_model
 from nemo_ac.models.common.dispatch import LocalDispatcher
 from nemo_ac.models.common.experts import GroupedExperts
 
@@ -67,7 +69,8 @@ def test_all_to_all_dispatcher_on_one_rank_equals_local_dispatcher(world) -> Non
 
 def test_apply_ep_rejects_deepep_without_ep() -> None:
     with pytest.raises(ValueError, match=r"backend.dispatcher: 'deepep' .* parallel.ep is 1"):
-        apply_ep(torch.nn.Module(), ep_mesh=None, dispatcher="deepep", moe=MoEConfig())
+        model = build_model(ModelConfig(num_layers=1, moe=MoEConfig(num_experts=4)))
+        apply_ep(model, plan=decide_plan(model, backend=BackendConfig(dispatcher="deepep")), ep_mesh=None)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deep_ep") is not None, reason="deep_ep is installed here")

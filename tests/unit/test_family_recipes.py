@@ -12,7 +12,6 @@ import pytest
 
 from nemo_ac.cli import main as cli
 from nemo_ac.config import ConfigError, load_recipe, validate_recipe
-from nemo_ac.config.schema import BackendConfig
 from nemo_ac.models import build_model
 from nemo_ac.models.common.te_backend import apply_te_backends
 from tests.launch import RECIPES
@@ -90,16 +89,13 @@ def test_tiny_recipe_keeps_the_structure(name: str) -> None:
 def test_te_adapter_is_lazy_and_fails_clearly() -> None:
     recipe = load_recipe(RECIPES / "tiny" / "nemotron_super_v3_tiny.yaml")
     layers = build_model(recipe.model).model.layers
-    assert apply_te_backends(layers, backend=BackendConfig()) == {"linear": 0, "rms_norm": 0, "attention": 0}
+    defaults = {"linear": "torch", "rms_norm": "torch", "attention": "sdpa"}
+    assert apply_te_backends(layers, **defaults) == {"linear": 0, "rms_norm": 0, "attention": 0}
     if HAS_TE:
         pytest.skip("transformer_engine is installed: the absent-package error cannot be observed")
     assert "transformer_engine" not in sys.modules
-    for key, backend in (
-        ("backend.linear", BackendConfig(linear="te")),
-        ("backend.rms_norm", BackendConfig(rms_norm="te")),
-        ("backend.attention", BackendConfig(attention="te")),
-    ):
+    for key in ("linear", "rms_norm", "attention"):
         with pytest.raises(ConfigError) as info:
-            apply_te_backends(layers, backend=backend)
-        assert info.value.keys == [key]
+            apply_te_backends(layers, **{**defaults, key: "te"})
+        assert info.value.keys == [f"backend.{key}"]
         assert "pip install 'nemo_ac[te]'" in str(info.value)

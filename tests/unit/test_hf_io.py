@@ -42,7 +42,7 @@ def test_hub_layout_round_trip_is_byte_identical(family: str, tmp_path: Path) ->
 
     # Grouped experts hold the per-expert matrices at the right place (gate rows before up rows).
     moe_idx = next(i for i, layer in enumerate(model.model.layers) if layer.is_moe)
-    experts = model.model.layers[moe_idx].mlp.experts
+    experts = model.model.layers[moe_idx].routed_moe().experts_module()
     prefix = ("backbone" if family == "nemotron_h" else "model") + f".layers.{moe_idx}"
     prefix += ".mixer.experts" if family == "nemotron_h" else ".mlp.experts"
     first = "up_proj" if family == "nemotron_h" else "gate_proj"
@@ -167,7 +167,7 @@ def test_fsdp2_sharded_model_loads_and_exports(tmp_path: Path) -> None:
         model = build_model(cfg)
         for layer in model.model.layers:
             if layer.is_moe:
-                fully_shard(layer.mlp.experts, mesh=mesh)
+                fully_shard(layer.routed_moe().experts_module(), mesh=mesh)
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         model.to_empty(device="cpu")

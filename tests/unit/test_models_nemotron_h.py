@@ -133,19 +133,28 @@ def test_ssm_op_runs_per_head_slice_as_ulysses_would() -> None:
 
 
 def test_layer_contract_and_parallelizer_view() -> None:
-    from nemo_ac.distributed.blocks import decoder_layers, nested_fsdp_units
+    from nemo_ac.distributed.blocks import decoder_layers, routed_moe, sequence_mixers
+    from nemo_ac.distributed.plan import decide_plan
+    from nemo_ac.models.interfaces import DecoderBlock, ParallelizableModel, RoutedMoE
 
     cfg = nemotron_config()
     model = build_model(cfg)
+    assert isinstance(model, ParallelizableModel)
     layers = decoder_layers(model)
     assert [layer.block_type for layer in layers] == ["mamba", "moe", "attention", "mamba", "mlp", "moe"]
     assert [layer.is_moe for layer in layers] == [False, True, False, False, False, True]
+    assert all(isinstance(layer, DecoderBlock) for layer in layers)
     moe_layer = layers[1]
-    assert moe_layer.mlp is moe_layer.mixer and layers[0].mlp is None
-    assert nested_fsdp_units(moe_layer, moe=cfg.moe) == [moe_layer.mixer.gate, moe_layer.mixer.experts]
-    assert nested_fsdp_units(layers[0], moe=cfg.moe) == []
-    assert "mlp" not in dict(moe_layer.named_children())  # the property adds no state-dict names
-    assert hasattr(moe_layer.mixer, "dispatcher") and hasattr(layers[2].mixer, "attn_op")
+    assert routed_moe(moe_layer) is moe_layer.mixer and isinstance(moe_layer.mixer, RoutedMoE)
+    assert [routed_moe(layer) is None for layer in layers] == [True, False, True, True, True, False]
+    plan = decide_plan(model)
+    assert plan.decoder_blocks()[1].nested_units == ("router", "experts")  # the config's fp32 router + experts
+    assert plan.decoder_blocks()[0].nested_units == ()
+    assert moe_layer.mixer.router_module() is moe_layer.mixer.gate
+    assert moe_layer.mixer.experts_module() is moe_layer.mixer.experts
+    assert [m.mixer_kind for m in sequence_mixers(layers[0])] == ["ssm"]
+    assert [m.mixer_kind for m in sequence_mixers(layers[2])] == ["softmax_attention"]
+    assert sequence_mixers(moe_layer) == [] and hasattr(moe_layer.mixer, "dispatcher")
 
 
 def test_mamba_init_and_training_step() -> None:

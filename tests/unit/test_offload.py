@@ -12,7 +12,8 @@ from nemo_ac.config import load_recipe, validate_recipe
 from nemo_ac.config.schema import ActivationCheckpointingConfig
 from nemo_ac.distributed.activation_checkpointing import apply_ac
 from nemo_ac.distributed.blocks import decoder_layers
-from nemo_ac.distributed.offload import ActivationOffloader, _Kept, _Packed, apply_offload, installed_offloader
+from nemo_ac.distributed.offload import ActivationOffloader, _Kept, _Packed, apply_offload
+from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
 from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.init import canonical_name, materialize_and_init
@@ -77,21 +78,20 @@ def _parallelized_glm(offload: bool):
     overrides = ["parallel.cp=1", "activation_checkpointing.mode=full", f"activation_checkpointing.offload={offload}"]
     recipe = load_recipe(str(RECIPES / "tiny" / "glm_4_5_air_tiny.yaml"), overrides)
     layout = validate_recipe(recipe, world_size=1)
-    model, _ = build_parallel_model(recipe, layout, device=torch.device("cpu"))
+    model, _, plan = build_parallel_model(recipe, layout, device=torch.device("cpu"))
     materialize_and_init(model, device="cpu", seed=3)
-    return model, recipe
+    return model, recipe, plan.applied.offloader
 
 
 def test_full_ac_offloads_each_block_input_and_matches_bitwise(world) -> None:
     """parallelize installs the offloader on every AC-wrapped block; under full AC the checkpoint saves one tensor
     per block (its input, [B, S, H]) and that is what moves: one host copy per block, each a separate buffer,
     each returned to backward (the recompute reads the copy). Loss and every gradient are bitwise equal."""
-    plain, recipe = _parallelized_glm(offload=False)
-    assert installed_offloader(plain) is None
+    plain, recipe, none = _parallelized_glm(offload=False)
+    assert none is None
     expected_loss, expected = _loss_and_grads(plain, recipe.model.vocab_size)
 
-    model, _ = _parallelized_glm(offload=True)
-    offloader = installed_offloader(model)
+    model, _, offloader = _parallelized_glm(offload=True)
     assert isinstance(offloader, ActivationOffloader)
     layers = recipe.model.num_layers
     hidden = recipe.model.hidden_size
@@ -115,7 +115,7 @@ def test_spy_sees_copies_in_their_own_host_buffers(world) -> None:
     """The same path with a recording offloader installed by hand: the saved tensors are [B, S, H] block inputs,
     each host buffer is a different storage from the tensor it copies, and backward receives exactly those
     buffers."""
-    model, recipe = _parallelized_glm(offload=False)
+    model, recipe, _ = _parallelized_glm(offload=False)
     spy = SpyOffloader()
     for block in decoder_layers(model):
         spy.install(block)
@@ -134,7 +134,7 @@ def test_spy_sees_copies_in_their_own_host_buffers(world) -> None:
 def _glm(mode: str, offload: bool):
     cfg = glm_config()
     model = materialize_and_init(build_model(cfg), device="cpu", seed=1)
-    apply_ac(model, config=ActivationCheckpointingConfig(mode=mode), moe=cfg.moe)
+    apply_ac(model, plan=decide_plan(model, activation_checkpointing=ActivationCheckpointingConfig(mode=mode)))
     return model, apply_offload(model, enabled=offload), cfg
 
 
@@ -205,7 +205,7 @@ def test_cuda_offload_goes_to_pinned_host_memory_and_matches() -> None:
     def run(offload: bool):
         cfg = glm_config()
         model = materialize_and_init(build_model(cfg), device="cuda", seed=1)
-        apply_ac(model, config=ActivationCheckpointingConfig(mode="full"), moe=cfg.moe)
+        apply_ac(model, plan=decide_plan(model, activation_checkpointing=ActivationCheckpointingConfig(mode="full")))
         spy = SpyOffloader() if offload else None
         if spy is not None:
             for block in decoder_layers(model):

@@ -1,4 +1,5 @@
-"""sac_compat: version gate and profiler-op ignore (installed by both SAC factories), on a private copy of torch's set.
+"""workarounds.profiler_ops_in_sac / fsdp_hooks_in_sac: version gates and the profiler-op ignore (installed by the
+SAC context factory), on a private copy of torch's set.
 
 Every test here runs against ``private_sac_ignored_ops`` (tests/conftest.py): a copy of ``torch.utils.checkpoint.SAC_IGNORED_OPS``
 *without* the profiler ops, monkeypatched in for the test; afterwards the real set must be exactly what it was.
@@ -12,13 +13,12 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from nemo_ac.config.schema import ActivationCheckpointingConfig, ModelConfig, MoEConfig, SelectiveACConfig
 from nemo_ac.distributed import activation_checkpointing as ac
-from nemo_ac.distributed import sac_compat
-from nemo_ac.distributed.sac_compat import (
-    ensure_profiler_ops_sac_ignored,
-    profiler_op_overloads,
-    torch_version_release,
-)
+from nemo_ac.distributed.activation_checkpointing import wrapping
+from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
+from nemo_ac.workarounds import fsdp_hooks_in_sac, profiler_ops_in_sac
+from nemo_ac.workarounds.gates import torch_version_release
+from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored, profiler_op_overloads
 from tests.factories import PROFILER_OPS
 
 
@@ -74,14 +74,14 @@ def test_noop_when_the_set_is_missing(private_sac_ignored_ops):
 
 
 def test_noop_when_the_namespace_is_missing(private_sac_ignored_ops, monkeypatch):
-    monkeypatch.setattr(sac_compat, "PROFILER_NAMESPACE", "nemo_ac_no_such_namespace")
+    monkeypatch.setattr(profiler_ops_in_sac, "PROFILER_NAMESPACE", "nemo_ac_no_such_namespace")
     before = set(private_sac_ignored_ops)
     assert ensure_profiler_ops_sac_ignored(torch_version="2.13.0") == ()
     assert private_sac_ignored_ops == before
 
 
 def test_missing_ops_are_skipped(private_sac_ignored_ops, monkeypatch):
-    monkeypatch.setattr(sac_compat, "PROFILER_OP_NAMES", ("_record_function_enter_new", "_no_such_op"))
+    monkeypatch.setattr(profiler_ops_in_sac, "PROFILER_OP_NAMES", ("_record_function_enter_new", "_no_such_op"))
     assert ensure_profiler_ops_sac_ignored(torch_version="2.13.0") == (
         torch.ops.profiler._record_function_enter_new.default,
     )
@@ -92,36 +92,33 @@ def _moe_model(*, first_k_dense_replace: int) -> torch.nn.Module:
     return build_model(cfg)
 
 
-def test_generic_factory_installs_the_ignore(private_sac_ignored_ops):
+def test_factory_installs_the_ignore(private_sac_ignored_ops):
     ac.make_selective_checkpoint_context_fn(config=SelectiveACConfig(), region="r")
     assert private_sac_ignored_ops >= PROFILER_OPS
 
 
-def test_moe_block_factory_installs_the_ignore(private_sac_ignored_ops):
-    ac.make_moe_block_context_fn(config=SelectiveACConfig(), region="model.layers.0")
-    assert private_sac_ignored_ops >= PROFILER_OPS
+def _apply_ac(model: torch.nn.Module, config: ActivationCheckpointingConfig):
+    plan = decide_plan(model, activation_checkpointing=config)
+    ac.apply_ac(model, plan=plan)
+    return plan
 
 
-def test_apply_ac_takes_the_moe_path_for_blocks_with_nested_units(private_sac_ignored_ops, monkeypatch):
-    """Blocks whose experts are a separate FSDP unit go through make_moe_block_context_fn; dense blocks do not."""
-    moe_regions, generic_regions = [], []
-    moe_factory, generic_factory = ac.make_moe_block_context_fn, ac.make_selective_checkpoint_context_fn
+def test_apply_ac_gives_every_block_one_factory_and_moe_blocks_their_nested_units(private_sac_ignored_ops, monkeypatch):
+    """One SAC context factory for every block, each region named by its path; the plan marks the MoE blocks whose
+    experts are their own FSDP unit (the layout whose FSDP2 hooks run inside the region), and the factory installs
+    the profiler-op ignore for them as for every block."""
+    regions = []
+    factory = wrapping.make_selective_checkpoint_context_fn
 
-    def spy_moe(**kwargs):
-        moe_regions.append(kwargs["region"])
-        return moe_factory(**kwargs)
+    def spy(**kwargs):
+        regions.append(kwargs["region"])
+        return factory(**kwargs)
 
-    def spy_generic(**kwargs):
-        generic_regions.append(kwargs["region"])
-        return generic_factory(**kwargs)
-
-    monkeypatch.setattr(ac, "make_moe_block_context_fn", spy_moe)
-    monkeypatch.setattr(ac, "make_selective_checkpoint_context_fn", spy_generic)
+    monkeypatch.setattr(wrapping, "make_selective_checkpoint_context_fn", spy)
     model = _moe_model(first_k_dense_replace=1)
-    config = ActivationCheckpointingConfig(mode="selective")
-    ac.apply_ac(model, config=config, moe=model.config.moe)
-    assert moe_regions == ["model.layers.1", "model.layers.2"]
-    assert generic_regions[0] == "model.layers.0"  # (the MoE factory builds on the generic one after its install)
+    plan = _apply_ac(model, ActivationCheckpointingConfig(mode="selective"))
+    assert regions == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert [b.nested_units for b in plan.decoder_blocks()] == [(), ("experts",), ("experts",)]
     assert private_sac_ignored_ops >= PROFILER_OPS
 
 
@@ -129,7 +126,7 @@ def test_workarounds_off_installs_nothing(private_sac_ignored_ops):
     before = set(private_sac_ignored_ops)
     model = _moe_model(first_k_dense_replace=0)
     config = ActivationCheckpointingConfig(mode="selective", workarounds=False)
-    ac.apply_ac(model, config=config, moe=model.config.moe)
+    _apply_ac(model, config)
     ac.make_selective_checkpoint_context_fn(workarounds=False)
     assert private_sac_ignored_ops == before
 
@@ -138,10 +135,10 @@ def test_full_and_none_modes_do_not_touch_the_set(private_sac_ignored_ops):
     before = set(private_sac_ignored_ops)
     for mode in ("none", "full"):
         model = _moe_model(first_k_dense_replace=0)
-        ac.apply_ac(model, config=ActivationCheckpointingConfig(mode=mode), moe=model.config.moe)
+        _apply_ac(model, ActivationCheckpointingConfig(mode=mode))
     assert private_sac_ignored_ops == before
 
 
 @pytest.mark.parametrize(("version", "supported"), [("2.11.0", False), ("2.12.0", True), ("2.13.0a0+abc", True)])
 def test_fsdp_hook_bracket_gate(version, supported):
-    assert sac_compat.fsdp_hooks_outside_sac_supported(torch_version=version) is supported
+    assert fsdp_hooks_in_sac.fsdp_hooks_outside_sac_supported(torch_version=version) is supported

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.distributed.activation_checkpointing import make_selective_checkpoint_context_fn
-from nemo_ac.distributed.compile import ac_outer_region_kwargs
+from nemo_ac.workarounds.compiled_regions_under_sac import ac_outer_compile_kwargs
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -56,7 +56,7 @@ def test_wrapped_regions_are_recomputed_and_match_the_compiled_block_exactly(wor
     torch.manual_seed(0)
     x = torch.randn(40, 24)
     weights = [torch.randn(24, 24, requires_grad=True) for _ in range(3)]
-    kwargs = ac_outer_region_kwargs({"backend": "inductor"})
+    kwargs = ac_outer_compile_kwargs({"backend": "inductor"})
     assert kwargs["options"] == {"wrap_inductor_compiled_regions": True}
     compiled = torch.compile(block, **kwargs)
     expected = grads(compiled, x, weights, checkpointed=False)

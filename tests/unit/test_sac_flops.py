@@ -168,7 +168,7 @@ def test_matmul_decisions_alternate_within_the_block(save_every_other_mm, expert
             return decision
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ac, "SelectivePolicy", Spy)
+        patch.setattr(ac.contexts, "SelectivePolicy", Spy)  # where the SAC context factory builds its policy
         torch.manual_seed(0)
         cfg = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, experts_impl=experts_impl))
         block = DecoderLayer(cfg, layer_idx=0)

@@ -18,16 +18,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nemo_ac.config import load_recipe, validate_recipe
 from nemo_ac.diagnostics.sac_explain import SACDesyncError
 from nemo_ac.distributed import activation_checkpointing as ac
-from nemo_ac.distributed.sac_compat import (
-    ensure_profiler_ops_sac_ignored,
-    fsdp_hook_running,
-    install_fsdp_hooks_outside_sac,
-    remove_fsdp_hooks_outside_sac,
-)
 from nemo_ac.doctor.probes_sac import NestedUnitNet, shard_nested_unit_net
 from nemo_ac.models.init import canonical_name, materialize_and_init
 from nemo_ac.trainer.build import build_parallel_model
 from nemo_ac.trainer.loop import run_backward
+from nemo_ac.workarounds.fsdp_hooks_in_sac import (
+    fsdp_hook_running,
+    install_fsdp_hooks_outside_sac,
+    remove_fsdp_hooks_outside_sac,
+)
+from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored
 from tests.factories import PROFILER_OPS
 from tests.launch import RECIPES
 
@@ -133,7 +133,7 @@ def test_brackets_enclose_exactly_fsdps_hooks():
 def _tiny_model(overrides: list[str]):
     recipe = load_recipe(str(RECIPES / "tiny" / "qwen3_moe_tiny.yaml"), ["data.seq_len=40", *overrides])
     layout = validate_recipe(recipe, world_size=1)
-    model, _ = build_parallel_model(recipe, layout, device=torch.device("cpu"))
+    model, _, _ = build_parallel_model(recipe, layout, device=torch.device("cpu"))
     materialize_and_init(model, device="cpu", seed=3)
     return model
 

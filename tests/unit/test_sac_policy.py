@@ -15,6 +15,7 @@ from nemo_ac.config.schema import ActivationCheckpointingConfig, ModelConfig, Se
 from nemo_ac.diagnostics.sac_explain import SAC_DEBUG_ENV, reset_decision_log
 from nemo_ac.distributed import activation_checkpointing as ac
 from nemo_ac.distributed.activation_checkpointing import PolicyRules, SelectivePolicy
+from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
 
 # Every test runs on a private copy of torch's SAC_IGNORED_OPS (the real set stays untouched).
@@ -170,13 +171,16 @@ def test_extra_context_composes_with_both_modes(mode):
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
 def test_apply_ac_wraps_blocks_per_mode(mode):
     model = build_model(ModelConfig(num_layers=2))
-    extra = _Recording()
-    ac.apply_ac(model, config=ActivationCheckpointingConfig(mode=mode), extra_context_fns=[extra], moe=model.config.moe)
+    plan = decide_plan(model, activation_checkpointing=ActivationCheckpointingConfig(mode=mode))
+    ac.apply_ac(model, plan=plan)
     layers = model.model.layers
     wrapped = [hasattr(layer, "_checkpoint_wrapped_module") for layer in layers]
     assert wrapped == [mode != "none"] * 2
-    if mode != "none":
+    if mode == "full":  # full AC of an uncompiled block composes no recompute context
+        assert "context_fn" not in layers[0].checkpoint_fn.keywords
+    if mode == "selective":
         forward, recompute = layers[0].checkpoint_fn.keywords["context_fn"]()
         assert isinstance(forward, contextlib.AbstractContextManager)
         assert isinstance(recompute, contextlib.AbstractContextManager)
-    assert not ac.install_sac_fsdp_workarounds(nn.Linear(2, 2), config=ActivationCheckpointingConfig(mode=mode))
+    assert ("fsdp_hooks_in_sac" in plan.workarounds) == (mode == "selective")
+    assert not ac.install_sac_fsdp_workarounds(nn.Linear(2, 2), plan=plan)  # no FSDP unit: nothing to bracket

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from nemo_ac.config import load_recipe, validate_recipe
 from nemo_ac.data.sources import build_batches
 from nemo_ac.distributed.blocks import decoder_layers, decoder_layers_path, unwrap_block, vision_blocks
+from nemo_ac.distributed.compile import is_compiled
 from nemo_ac.models import build_model
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.trainer.batching import make_batch_preparer
@@ -29,8 +30,8 @@ ONE_RANK = ["parallel.cp=1", "parallel.ep=1", "train.micro_batch_size=2"]
 def _parallelized(*overrides: str):
     recipe = load_recipe(VL, [*ONE_RANK, *overrides])
     layout = validate_recipe(recipe, world_size=1)
-    model, _ = build_parallel_model(recipe, layout, device=torch.device("cpu"))
-    return recipe, materialize_and_init(model, device="cpu", seed=recipe.train.seed)
+    model, _, plan = build_parallel_model(recipe, layout, device=torch.device("cpu"))
+    return recipe, materialize_and_init(model, device="cpu", seed=recipe.train.seed), plan
 
 
 def _batch(recipe):
@@ -55,19 +56,20 @@ def test_block_lists_of_text_and_vision_language_models():
     assert vision_blocks(vl) is vl.model.visual.blocks
     text = build_model(load_recipe(RECIPES / "tiny" / "qwen3_moe_tiny.yaml").model)
     assert decoder_layers_path(text) == "model.layers" and vision_blocks(text) is None
-    with pytest.raises(TypeError, match=r"no decoder block list at any of \['model.layers', 'model.language_model"):
+    with pytest.raises(TypeError, match=r"Linear does not implement nemo_ac.models.interfaces.ParallelizableModel"):
         decoder_layers(torch.nn.Linear(2, 2))
 
 
 def test_vision_blocks_are_fsdp_units_and_ac_regions_but_never_compiled():
-    _, model = _parallelized()  # the recipe's selective AC + compile
+    _, model, plan = _parallelized()  # the recipe's selective AC + compile
     (vision_block,) = vision_blocks(model)
     assert isinstance(vision_block, CheckpointWrapper) and isinstance(vision_block, FSDPModule)
-    assert not getattr(unwrap_block(vision_block), "_nemo_ac_compiled", False)
-    assert not hasattr(vision_block, "_nemo_ac_compile_layout")
+    assert not is_compiled(unwrap_block(vision_block)) and not is_compiled(vision_block)
+    assert [b.compile_layout for b in plan.vision_blocks()] == [None]
+    assert plan.compile_layouts() == ["ac_outer"] * len(decoder_layers(model))
     for layer in decoder_layers(model):  # both hybrid layer types: AC(compile(block)) around nested units
         assert isinstance(layer, CheckpointWrapper) and isinstance(layer, FSDPModule)
-        assert layer._nemo_ac_compile_layout == "ac_outer" and unwrap_block(layer)._nemo_ac_compiled
+        assert is_compiled(unwrap_block(layer))
         assert isinstance(unwrap_block(layer).mlp.experts, FSDPModule)
     # The root unit unshards for the full-sequence embedding too (registered FSDP forward method).
     assert model.embed_inputs.__func__ is not type(model).embed_inputs
@@ -77,7 +79,7 @@ def test_vision_blocks_are_fsdp_units_and_ac_regions_but_never_compiled():
 def test_cp_preparer_embeds_the_full_rows_then_keeps_this_ranks_slice(cp_size: int):
     """Each CP rank's decoder inputs are its slice of the full-row embedding (image features where the placeholders
     are, M-RoPE positions of the whole document); the slices tile the full rows."""
-    recipe, model = _parallelized("compile.enabled=false", "activation_checkpointing.mode=none")
+    recipe, model, _ = _parallelized("compile.enabled=false", "activation_checkpointing.mode=none")
     batch = _batch(recipe)
     assert batch.pixel_values is not None and batch.input_ids.shape[1] % cp_size == 0
     full = model.embed_inputs(
@@ -103,7 +105,7 @@ def test_cp_preparer_embeds_the_full_rows_then_keeps_this_ranks_slice(cp_size: i
 
 
 def test_without_cp_the_model_embeds_in_its_own_forward():
-    recipe, model = _parallelized("compile.enabled=false")
+    recipe, model, _ = _parallelized("compile.enabled=false")
     batch = _batch(recipe)
     prepared = make_batch_preparer(cp=1)(batch)
     assert prepared.embed is None and prepared.inputs_for(model) is prepared.model_inputs

@@ -1,7 +1,7 @@
 """Context parallel: the sequence of every micro batch is split over the ``cp`` ranks.
 
-``apply_cp`` swaps each sequence mixer's op (softmax attention ``attn_op``; for Ulysses also Gated DeltaNet's
-``linear_attn_op`` and Mamba-2's ``ssm_op``) for its CP version bound to the CP process group; everything else in a
+``apply_cp`` swaps each sequence mixer's op (``models.interfaces.SequenceMixer``: softmax attention ``attn_op``; for
+Ulysses also Gated DeltaNet's ``linear_attn_op`` and Mamba-2's ``ssm_op``) for its CP version bound to the CP process group; everything else in a
 block (projections, norms, rope, MLP / MoE) is per token and runs on the shard unchanged. The
 trainer's batch preparer (``nemo_ac.trainer.batching``) shards tokens, labels, positions and document ids with
 ``sharding.shard_positions`` and attaches the op's per-micro-batch metadata to ``AttentionInputs.context_parallel``.
@@ -14,7 +14,7 @@ import functools
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from nemo_ac.distributed.blocks import decoder_layers, unwrap_block
+from nemo_ac.distributed.blocks import decoder_layers, sequence_mixers
 from nemo_ac.distributed.context_parallel.ring import ring_attention
 from nemo_ac.distributed.context_parallel.sharding import (
     RingAttentionInputs,
@@ -25,6 +25,8 @@ from nemo_ac.distributed.context_parallel.sharding import (
     ulysses_attention_inputs,
 )
 from nemo_ac.distributed.context_parallel.ulysses import ulysses_attention, ulysses_linear_attention, ulysses_ssm
+from nemo_ac.distributed.plan import ParallelPlan
+from nemo_ac.models.interfaces import SequenceMixer
 
 __all__ = [
     "RingAttentionInputs",
@@ -39,42 +41,28 @@ __all__ = [
 ]
 
 
-# Swappable sequence-mixing ops of the model's mixers (attribute name -> what it is, for error messages).
-_MIXER_OPS = {"attn_op": "softmax attention", "linear_attn_op": "linear attention", "ssm_op": "Mamba-2 scan"}
-
-
-def _mixers(block: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(module, op attribute) of every sequence mixer in ``block``: what must see more than its own tokens."""
-    return [(m, attr) for m in unwrap_block(block).modules() for attr in _MIXER_OPS if hasattr(m, attr)]
-
-
-def _cp_op(module: nn.Module, attr: str, *, cp_type: str, group, rank: int, size: int, index: int):
-    inner = getattr(module, attr)
-    if cp_type == "ring":
-        if attr != "attn_op":
-            raise ValueError(
-                f"parallel.cp_type: ring passes softmax-attention K/V blocks; layer {index} has a "
-                f"{_MIXER_OPS[attr]} mixer whose recurrent state cannot be ring-passed. Use cp_type: ulysses"
-            )
+def _cp_op(mixer: SequenceMixer, *, cp_type: str, group, rank: int, size: int):
+    inner = getattr(mixer, mixer.mixer_op_name)
+    if cp_type == "ring":  # the plan rejects ring for recurrent mixers before anything is applied
         return functools.partial(ring_attention, group=group, cp_rank=rank, cp_size=size)
-    if cp_type != "ulysses":
-        raise ValueError(f"parallel.cp_type: unknown {cp_type!r}; use ulysses or ring")
-    if attr == "attn_op":
+    if mixer.mixer_kind == "softmax_attention":
         return functools.partial(ulysses_attention, inner=inner, group=group, cp_size=size)
-    wrapper = ulysses_linear_attention if attr == "linear_attn_op" else ulysses_ssm
+    wrapper = ulysses_linear_attention if mixer.mixer_kind == "linear_attention" else ulysses_ssm
     return functools.partial(wrapper, inner=inner, group=group, cp_size=size, cp_rank=rank)
 
 
-def apply_cp(model: nn.Module, *, cp_mesh: DeviceMesh | None, cp_type: str) -> None:
+def apply_cp(model: nn.Module, *, plan: ParallelPlan, cp_mesh: DeviceMesh | None) -> None:
     """Swap every sequence mixer's op for its CP version (``cp_mesh`` None: cp == 1, nothing to do).
 
     Ulysses wraps the mixer's current op (any local op works on a head shard): softmax attention, Gated DeltaNet
     linear attention and the Mamba-2 scan. Ring replaces softmax attention (it needs each block's log-sum-exp)
-    and cannot take recurrent mixers. Per-token layers (projections, norms, MLP / MoE) need nothing.
+    and cannot take recurrent mixers (``distributed.plan`` says so when deciding). Per-token layers (projections,
+    norms, MLP / MoE) need nothing.
     """
     if cp_mesh is None:
         return
     group, rank, size = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
-    for index, block in enumerate(decoder_layers(model)):
-        for module, attr in _mixers(block):
-            setattr(module, attr, _cp_op(module, attr, cp_type=cp_type, group=group, rank=rank, size=size, index=index))
+    for block in decoder_layers(model):
+        for mixer in sequence_mixers(block):
+            op = _cp_op(mixer, cp_type=plan.cp_type, group=group, rank=rank, size=size)
+            setattr(mixer, mixer.mixer_op_name, op)

@@ -88,6 +88,10 @@ class Attention(nn.Module):
     q/k norms (Qwen3.5 uses a zero-centered RMSNorm).
     """
 
+    # interfaces.SequenceMixer: context parallel swaps ``attn_op`` (ulysses or ring).
+    mixer_kind = "softmax_attention"
+    mixer_op_name = "attn_op"
+
     def __init__(
         self,
         hidden_size: int,

@@ -40,6 +40,7 @@ from torch import nn
 
 from nemo_ac.config.schema import LinearAttentionConfig
 from nemo_ac.models.interfaces import AttentionInputs
+from nemo_ac.workarounds.softplus_backward_layout import softplus
 
 ConvWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 LinearAttentionOp = Callable[
@@ -69,17 +70,6 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, document_ids: to
         same = torch.cat((torch.zeros_like(same[:, :1]).expand(-1, shift), same), dim=1)
         out = out + prev * same[:, :, None, None].to(x.dtype) * taps[kernel - 1 - shift]
     return F.silu(out)
-
-
-def softplus(x: torch.Tensor) -> torch.Tensor:
-    """``F.softplus(x)`` (beta 1, threshold 20) written with elementwise primitives.
-
-    Why not ``F.softplus``: under torch.compile (torch 2.13, aot_eager and AOT-based backends) the backward graph
-    assumes a contiguous ``softplus_backward`` output, but the gradient reaching the decay here is a transposed view
-    (the chunked rule works in [B, H, S] layout), so the following ``view`` fails with "view size is not compatible
-    with input tensor's size and stride". Same values and gradient (sigmoid) as ``F.softplus``.
-    """
-    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp(max=20.0))))
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -202,6 +192,10 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer. ``forward(x [B, S, H], *, attn) -> [B, S, H]``."""
+
+    # interfaces.SequenceMixer: context parallel swaps ``linear_attn_op`` (ulysses only).
+    mixer_kind = "linear_attention"
+    mixer_op_name = "linear_attn_op"
 
     def __init__(self, hidden_size: int, cfg: LinearAttentionConfig, *, rms_norm_eps: float = 1e-6) -> None:
         super().__init__()

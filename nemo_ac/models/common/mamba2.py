@@ -258,6 +258,10 @@ class GatedRMSNorm(nn.Module):
 class Mamba2Mixer(nn.Module):
     """Nemotron-H Mamba-2 mixer. ``forward(h [B, S, H], *, attn) -> [B, S, H]``; see the module docstring."""
 
+    # interfaces.SequenceMixer: context parallel swaps ``ssm_op`` (ulysses only).
+    mixer_kind = "ssm"
+    mixer_op_name = "ssm_op"
+
     def __init__(self, hidden_size: int, cfg: MambaConfig, *, rms_norm_eps: float = 1e-5) -> None:
         super().__init__()
         self.hidden_size = hidden_size

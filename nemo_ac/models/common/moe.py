@@ -100,6 +100,16 @@ class MoE(nn.Module):
         )
         self.dispatcher: Dispatcher = LocalDispatcher()
 
+    # interfaces.RoutedMoE
+    def router_module(self) -> nn.Module:
+        return self.gate
+
+    def experts_module(self) -> nn.Module:
+        return self.experts
+
+    def set_dispatcher(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
     def project_in(self, flat: torch.Tensor) -> torch.Tensor:
         """Tokens [T, H] -> what the experts take (identity; a latent down-projection in Nemotron-H). Runs before
         dispatch, so an expert-parallel all-to-all moves the (narrower) projected rows."""

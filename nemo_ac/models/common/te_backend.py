@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
-from nemo_ac.config.schema import BackendConfig
 from nemo_ac.models.common.attention import Attention
 from nemo_ac.models.common.rmsnorm import RMSNorm
 from nemo_ac.models.interfaces import AttentionInputs
@@ -122,11 +121,12 @@ class TEPackedAttention:
         return out.reshape(b, s, nh, hd)
 
 
-def apply_te_backends(layers: nn.ModuleList, *, backend: BackendConfig) -> dict[str, int]:
-    """Swap TE modules into ``layers`` (the decoder blocks) for each backend set to ``te``; returns how many
-    modules were swapped per backend (all zero when nothing asks for TE: TE is then never imported)."""
+def apply_te_backends(layers: nn.ModuleList, *, linear: str, rms_norm: str, attention: str) -> dict[str, int]:
+    """Swap TE modules into ``layers`` (the decoder blocks) for each backend (``backend.linear`` / ``rms_norm`` /
+    ``attention``) set to ``te``; returns how many modules were swapped per backend (all zero when nothing asks for
+    TE: TE is then never imported)."""
     counts = {"linear": 0, "rms_norm": 0, "attention": 0}
-    if backend.linear == "te":
+    if linear == "te":
         te = import_te("backend.linear")
 
         def linear(child: nn.Module) -> nn.Module | None:
@@ -141,7 +141,7 @@ def apply_te_backends(layers: nn.ModuleList, *, backend: BackendConfig) -> dict[
             )
 
         counts["linear"] = sum(_swap_children(block, linear) for block in layers)
-    if backend.rms_norm == "te":
+    if rms_norm == "te":
         te = import_te("backend.rms_norm")
         classes = _norm_classes()
 
@@ -157,7 +157,7 @@ def apply_te_backends(layers: nn.ModuleList, *, backend: BackendConfig) -> dict[
             return swapped
 
         counts["rms_norm"] = sum(_swap_children(block, norm) for block in layers)
-    if backend.attention == "te":
+    if attention == "te":
         te = import_te("backend.attention")
         for block in layers:
             for module in block.modules():

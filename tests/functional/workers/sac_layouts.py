@@ -35,12 +35,12 @@ from nemo_ac.distributed.blocks import decoder_layers
 from nemo_ac.distributed.env import destroy_distributed, exit_process, init_distributed
 from nemo_ac.distributed.mesh import build_meshes
 from nemo_ac.distributed.parallelize import parallelize
-from nemo_ac.distributed.sac_compat import ensure_profiler_ops_sac_ignored
 from nemo_ac.models import build_model
 from nemo_ac.models.common.dispatch import LocalDispatcher
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.trainer.build import TrainingSetup, build_trainer, quiet_logger
 from nemo_ac.trainer.optim import build_optimizer, build_scheduler
+from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
@@ -92,9 +92,9 @@ def train_cell(name: str, overrides: list[str], *, a2a: bool = False, profiler_o
         model = build_model(recipe.model)
         if a2a:
             for block in decoder_layers(model):
-                if getattr(block, "is_moe", False):
-                    block.mlp.dispatcher = RoundTripAllToAllDispatcher(dist.group.WORLD)
-        parallelize(
+                if (moe := block.routed_moe()) is not None:
+                    moe.set_dispatcher(RoundTripAllToAllDispatcher(dist.group.WORLD))
+        plan = parallelize(
             model,
             meshes=meshes,
             model_config=recipe.model,
@@ -113,6 +113,7 @@ def train_cell(name: str, overrides: list[str], *, a2a: bool = False, profiler_o
             meshes=meshes,
             device=torch.device("cpu"),
             model=model,
+            plan=plan,
             optimizer=optimizer,
             scheduler=build_scheduler(optimizer, recipe.train),
             data=SyntheticBatches(

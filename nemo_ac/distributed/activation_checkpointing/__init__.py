@@ -1,0 +1,29 @@
+"""Activation checkpointing: the selective policy, the recompute contexts (one SAC context factory) and the
+wrapping of blocks as the parallel plan says."""
+
+from nemo_ac.distributed.activation_checkpointing.contexts import (
+    ContextFn,
+    compose_context_fns,
+    make_selective_checkpoint_context_fn,
+    selective_region_modes,
+)
+from nemo_ac.distributed.activation_checkpointing.policy import PolicyRules, SelectivePolicy
+from nemo_ac.distributed.activation_checkpointing.wrapping import (
+    apply_ac,
+    block_context_fns,
+    install_sac_fsdp_workarounds,
+    wrap_block,
+)
+
+__all__ = [
+    "ContextFn",
+    "PolicyRules",
+    "SelectivePolicy",
+    "apply_ac",
+    "block_context_fns",
+    "compose_context_fns",
+    "install_sac_fsdp_workarounds",
+    "make_selective_checkpoint_context_fn",
+    "selective_region_modes",
+    "wrap_block",
+]

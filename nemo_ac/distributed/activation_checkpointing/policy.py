@@ -1,0 +1,168 @@
+"""The selective-AC policy: what a region saves and what it recomputes.
+
+Saved: compute-intensive ops from torch's partitioner list (attention, convolution, ...), every other matmul
+(torchtitan's policy; ``selective.save_every_other_mm: false`` saves all); router top-k / sort outputs, so the
+recompute routes every token to the same experts (with ``tokens_per_expert.tolist()`` in the experts loop a
+different routing would change the op stream itself); outputs of functional collectives (all-to-all,
+reduce-scatter, all-gather; DeepEP dispatch/combine when those ops are registered), so the recompute does not
+communicate again. Never saved: an op that mutates an input (``aten.copy_``, ``scatter_``, FSDP's copy-out):
+replaying a cached result skips the mutation, e.g. ``inverse_permutation``'s ``inv.scatter_`` or FSDP filling
+unsharded parameters.
+
+The decision for an op depends only on the op and its position in *this* region invocation (a fresh policy, with
+fresh counters, per ``context_fn`` call), so forward and recompute agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from nemo_ac.config.schema import SelectiveACConfig
+from nemo_ac.diagnostics.sac_explain import DecisionLog
+from nemo_ac.workarounds import grouped_mm_fake_rule as _registers_grouped_mm_op  # noqa: F401  (torch.ops.nemo_ac)
+
+
+def _packets(*qualified: str) -> frozenset:
+    """OpOverloadPackets by ``ns::name``, skipping those this torch build lacks (optional kernels, DeepEP)."""
+    found = set()
+    for name in qualified:
+        namespace, op = name.split("::")
+        try:
+            found.add(getattr(getattr(torch.ops, namespace), op))
+        except (AttributeError, RuntimeError):
+            continue
+    return frozenset(found)
+
+
+_MATMULS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_grouped_mm",
+    "aten::_scaled_mm",
+    "nemo_ac::grouped_mm",  # the traceable fp32 grouped GEMM (nemo_ac.workarounds.grouped_mm_fake_rule)
+)
+_MATMULS_OPTIONAL = ("aten::_scaled_grouped_mm",)
+_ATTENTION = (
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward",
+)
+_ROUTER = ("aten::topk", "aten::sort")
+_COMMUNICATION = (
+    "_c10d_functional::all_to_all_single",
+    "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::all_gather_into_tensor",
+    "_c10d_functional::all_reduce",
+    "_c10d_functional_autograd::all_to_all_single",
+    "_c10d_functional_autograd::reduce_scatter_tensor",
+    "_c10d_functional_autograd::all_gather_into_tensor",
+    # DeepEP dispatch/combine, when an adapter registers them as torch ops.
+    "deep_ep::dispatch",
+    "deep_ep::combine",
+    "nemo_ac::deepep_dispatch",
+    "nemo_ac::deepep_combine",
+)
+# Never cached: profiler ranges and FSDP2's parameter management (workarounds.fsdp_hooks_in_sac) and eager c10d
+# collectives.
+_NEVER_CACHED_NAMESPACES = ("profiler", "fsdp", "c10d")
+
+
+def _compute_intensive_packets() -> frozenset:
+    """torch's partitioner list of compute-intensive ops (what its min-cut prefers to save). Private; resolved
+    defensively, falling back to the matmul/attention lists above."""
+    try:
+        from torch._functorch.partitioners import get_default_op_list
+
+        return frozenset(get_default_op_list().compute_intensive_ops)
+    except (ImportError, AttributeError):
+        return frozenset()
+
+
+@dataclass(frozen=True)
+class PolicyRules:
+    """What a selective region saves, resolved once per factory (op lookups are not free)."""
+
+    matmuls: frozenset
+    compute_intensive: frozenset
+    router: frozenset
+    communication: frozenset
+    save_every_other_mm: bool
+    save_router: bool
+    save_communication: bool
+
+    @classmethod
+    def build(cls, config: SelectiveACConfig, *, extra_save_ops: Sequence[Any] = ()) -> PolicyRules:
+        matmuls = _packets(*_MATMULS, *_MATMULS_OPTIONAL)
+        extra = frozenset(getattr(op, "overloadpacket", op) for op in extra_save_ops)
+        return cls(
+            matmuls=matmuls,
+            compute_intensive=(_compute_intensive_packets() | _packets(*_ATTENTION) | extra) - matmuls,
+            router=_packets(*_ROUTER),
+            communication=_packets(*_COMMUNICATION),
+            save_every_other_mm=config.save_every_other_mm,
+            save_router=config.save_router,
+            save_communication=config.save_communication,
+        )
+
+
+def _is_mutating(func: Any) -> bool:
+    schema = getattr(func, "_schema", None)
+    return bool(getattr(schema, "is_mutable", False))
+
+
+class SelectivePolicy:
+    """The SAC policy of ONE region invocation: ``(ctx, func, *args, **kwargs) -> CheckpointPolicy``.
+
+    A new instance per ``context_fn`` call, so the matmul counter restarts for every block and every micro batch
+    (a shared global counter would flip decisions between blocks and between forward and recompute). torch 2.13
+    calls the policy only in forward; releases that also call it in recompute get their own counter per pass
+    (``ctx.is_recompute``), which gives the same sequence of decisions.
+    """
+
+    def __init__(self, *, rules: PolicyRules, region: str = "", log: DecisionLog | None = None) -> None:
+        self.rules = rules
+        self.region = region
+        self.log = log
+        self._matmul_count = {False: 0, True: 0}
+
+    def decide(self, func: Any, *, is_recompute: bool = False) -> tuple[CheckpointPolicy, str]:
+        rules = self.rules
+        packet = getattr(func, "overloadpacket", func)
+        namespace = getattr(func, "namespace", "")
+        if namespace in _NEVER_CACHED_NAMESPACES:
+            return CheckpointPolicy.PREFER_RECOMPUTE, "profiler/FSDP/eager-collective op: never cached"
+        if _is_mutating(func):
+            return CheckpointPolicy.PREFER_RECOMPUTE, "mutates an input: a cached replay would skip the mutation"
+        if packet in rules.communication:
+            if rules.save_communication:
+                return CheckpointPolicy.MUST_SAVE, "collective output: recompute must not communicate again"
+            return CheckpointPolicy.PREFER_RECOMPUTE, "collective (selective.save_communication=false)"
+        if packet in rules.router:
+            if rules.save_router:
+                return CheckpointPolicy.MUST_SAVE, "router top-k/sort: expert assignment stable in recompute"
+            return CheckpointPolicy.PREFER_RECOMPUTE, "router op (selective.save_router=false)"
+        if packet in rules.matmuls:
+            self._matmul_count[is_recompute] += 1
+            count = self._matmul_count[is_recompute]
+            if rules.save_every_other_mm and count % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE, f"matmul #{count} in region: every other one recomputed"
+            return CheckpointPolicy.MUST_SAVE, f"matmul #{count} in region: saved"
+        if packet in rules.compute_intensive:
+            return CheckpointPolicy.MUST_SAVE, "compute-intensive (torch partitioner list / attention)"
+        return CheckpointPolicy.PREFER_RECOMPUTE, "cheap to recompute"
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        decision, reason = self.decide(func, is_recompute=bool(getattr(ctx, "is_recompute", False)))
+        if self.log is not None and self.log.enabled:
+            self.log.record(op=str(func), decision=decision.name, reason=reason, region=self.region)
+        return decision

@@ -1,0 +1,76 @@
+"""Wrapping blocks in activation checkpoints as the plan says (modes none, full and selective).
+
+Blocks are wrapped with torch's non-reentrant ``checkpoint_wrapper`` (DCP and HF export strip its
+``_checkpoint_wrapped_module`` prefix, so checkpoint keys keep the HF names). Each wrapper's ``context_fn`` composes
+the recompute contexts the block's plan names: the SAC modes (selective) and the forward-thread compile context
+(AC(compile(block)) blocks, ``workarounds.forward_thread_compile_config``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.utils.checkpoint import checkpoint
+
+from nemo_ac.distributed.activation_checkpointing.contexts import (
+    ContextFn,
+    compose_context_fns,
+    make_selective_checkpoint_context_fn,
+)
+from nemo_ac.distributed.blocks import decoder_layers, vision_blocks
+from nemo_ac.distributed.plan import FORWARD_THREAD_COMPILE, SAC_MODES, BlockPlan, ParallelPlan
+from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
+from nemo_ac.workarounds.fsdp_hooks_in_sac import install_fsdp_hooks_outside_sac
+
+
+def wrap_block(block: nn.Module, *, context_fns: Sequence[ContextFn]) -> nn.Module:
+    kwargs = {}
+    if context_fns:
+        kwargs["context_fn"] = compose_context_fns(context_fns)
+    return checkpoint_wrapper(
+        block,
+        checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+        checkpoint_fn=functools.partial(checkpoint, use_reentrant=False),
+        **kwargs,
+    )
+
+
+def block_context_fns(block_plan: BlockPlan, *, plan: ParallelPlan) -> list[ContextFn]:
+    """The recompute contexts of one block's checkpoint, in the plan's order; ``block_plan.path`` names the SAC
+    region in desync errors."""
+    contexts: list[ContextFn] = []
+    for name in block_plan.recompute_contexts:
+        if name == SAC_MODES:
+            contexts.append(
+                make_selective_checkpoint_context_fn(
+                    config=plan.selective, region=block_plan.path, workarounds=plan.ac_workarounds
+                )
+            )
+        elif name == FORWARD_THREAD_COMPILE:
+            contexts.append(forward_thread_compile_context)
+        else:
+            raise ValueError(f"{block_plan.path}: unknown recompute context {name!r}")
+    return contexts
+
+
+def apply_ac(model: nn.Module, *, plan: ParallelPlan) -> None:
+    """Wrap every block the plan checkpoints (decoder and vision blocks), in place."""
+    for blocks, plans in ((decoder_layers(model), plan.decoder_blocks()), (vision_blocks(model), plan.vision_blocks())):
+        if blocks is None:
+            continue
+        if len(plans) != len(blocks):
+            raise ValueError(f"the plan has {len(plans)} blocks for {len(blocks)} in the model")
+        for index, block_plan in enumerate(plans):
+            if block_plan.ac != "none":
+                blocks[index] = wrap_block(blocks[index], context_fns=block_context_fns(block_plan, plan=plan))
+
+
+def install_sac_fsdp_workarounds(model: nn.Module, *, plan: ParallelPlan) -> int:
+    """After fully_shard: run FSDP2's forward hooks outside the SAC modes (``workarounds.fsdp_hooks_in_sac``).
+    Returns the number of FSDP units bracketed (0 unless the plan switches the workaround on)."""
+    if "fsdp_hooks_in_sac" not in plan.workarounds:
+        return 0
+    return install_fsdp_hooks_outside_sac(model)

@@ -1,0 +1,137 @@
+"""Compiling decoder blocks in place, in the layout the plan gives each block.
+
+Blocks are compiled by replacing the instance's ``forward`` with ``torch.compile(forward)`` (as torchtitan's
+``block.compile()``: parameter names stay the same, no ``_orig_mod``). Compiling ``forward`` rather than the module
+(``nn.Module.compile`` compiles ``_call_impl``) keeps the block's own FSDP2 hooks outside the compiled frame: with
+``activation_checkpointing.placement: outside`` they sit on the compiled module itself and would otherwise
+graph-break at the entry and exit of every block.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.distributed.blocks import decoder_layers, unwrap_block
+from nemo_ac.distributed.compile.settings import CompileSettings, use_compile_settings
+from nemo_ac.distributed.plan import CompilePlan, Layout, ParallelPlan
+from nemo_ac.workarounds.compiled_regions_under_sac import ac_outer_compile_kwargs
+
+
+def _supports_region_recompile_limit() -> bool:
+    """torch 2.13 added ``torch.compile(..., recompile_limit=)``: a per-region limit applied inside Dynamo's frame
+    conversion, so it holds on every thread (2.12 has only the per-thread config)."""
+    try:
+        return "recompile_limit" in inspect.signature(torch.compile).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def check_backend(backend: str) -> None:
+    """An unknown backend name fails at parallelize time, naming the key (torch would fail at the first forward)."""
+    try:
+        known = set(torch._dynamo.list_backends(exclude_tags=()))
+    except Exception:  # listing is best effort; torch.compile reports an unknown backend anyway
+        return
+    if backend not in known:
+        raise ConfigError(
+            ConfigIssue(
+                "compile.backend", f"{backend!r} is not a registered torch.compile backend; use one of {sorted(known)}"
+            )
+        )
+
+
+def compile_kwargs(plan: CompilePlan) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"backend": plan.backend, "fullgraph": plan.fullgraph, "dynamic": plan.dynamic}
+    if _supports_region_recompile_limit():
+        kwargs["recompile_limit"] = plan.recompile_limit
+    return kwargs
+
+
+def _scoped(forward: Callable[..., Any], settings: CompileSettings) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def scoped_forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced by an enclosing compile: its settings rule, no config writes
+            return forward(*args, **kwargs)
+        with use_compile_settings(settings):
+            return forward(*args, **kwargs)
+
+    return scoped_forward
+
+
+@dataclass(frozen=True)
+class CompiledBlock:
+    index: int
+    layout: Layout
+    compiled: str  # class name of the module whose forward was compiled
+    # (co_filename, co_firstlineno) of that forward when it traces a checkpoint (compile(AC(block))), for
+    # CompileAccounting's empty-graph check; None otherwise.
+    checkpoint_entry: tuple[str, int] | None = None
+
+
+def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> list[CompiledBlock]:
+    """Compile every decoder block in place as the plan says (after AC wrapped them).
+
+    compile_outer: the layer's forward (the AC wrapper's, or the bare block's without AC) is compiled.
+    ac_outer: the block under the AC wrapper is compiled, with inductor's compiled regions wrapped
+    (``workarounds.compiled_regions_under_sac``); the wrapper stays eager.
+    Either way the layer's outer forward runs under ``CompileSettings`` (thread-local), so the forward compiles with
+    them and the forward-thread context captures them for the recompute.
+    """
+    if plan.compile is None:
+        return []
+    check_backend(plan.compile.backend)
+    kwargs = compile_kwargs(plan.compile)
+    settings = CompileSettings.from_config(plan.compile)
+    layers = decoder_layers(model)
+    block_plans = plan.decoder_blocks()
+    if len(block_plans) != len(layers):
+        raise ValueError(f"the plan has {len(block_plans)} blocks for {len(layers)} decoder layers")
+    report = []
+    for index, (outer, block_plan) in enumerate(zip(layers, block_plans)):
+        layout = block_plan.compile_layout
+        if layout is None:
+            continue
+        inner = unwrap_block(outer)
+        target = inner if layout == "ac_outer" and inner is not outer else outer
+        if is_compiled(target):
+            raise RuntimeError(f"{block_plan.path} is already compiled")
+        entry = _code_key(target.forward) if target is not inner else None
+        region_kwargs = ac_outer_compile_kwargs(kwargs) if target is inner and inner is not outer else kwargs
+        target.forward = _CompiledForward(torch.compile(target.forward, **region_kwargs))
+        outer.forward = _scoped(outer.forward, settings)
+        report.append(CompiledBlock(index=index, layout=layout, compiled=type(target).__name__, checkpoint_entry=entry))
+    return report
+
+
+class _CompiledForward:
+    """A compiled bound forward, recognizable (a second apply_compile on the same block is an error)."""
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        self.compiled = compiled
+        functools.update_wrapper(self, compiled)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(*args, **kwargs)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``apply_compile`` compiled this module's forward (possibly under its compile-settings scope)."""
+    forward = module.__dict__.get("forward")
+    for _ in range(4):  # scoped_forward -> _CompiledForward (functools.wraps keeps the chain in __wrapped__)
+        if forward is None or isinstance(forward, _CompiledForward):
+            break
+        forward = getattr(forward, "__wrapped__", None)
+    return isinstance(forward, _CompiledForward)
+
+
+def _code_key(fn: Callable[..., Any]) -> tuple[str, int] | None:
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return (code.co_filename, code.co_firstlineno) if code is not None else None

@@ -1,0 +1,396 @@
+"""The parallel plan: what ``parallelize`` does to every block, decided before anything is applied.
+
+``decide_plan`` reads the recipe's sections once and the model through its contract (``models.interfaces``) and
+returns plain data: per block its nested FSDP units, activation-checkpoint mode and recompute contexts, compile
+layout, offloading and kernels; for the run the EP / CP / FSDP / compile values and the torch workarounds it
+switches on. The ``apply_*`` steps take the plan and explicit values, never config sections; the run prints
+``summary_lines()`` at start (one line per distinct block plan) and reads what was applied (the offloader, the
+compiled checkpoint entries) from ``ParallelPlan.applied``, never from module attributes.
+
+Why a block holds nested FSDP units matters twice: their FSDP2 hooks then run inside the block's checkpoint (the
+torch 2.13 SAC desync, ``workarounds.profiler_ops_in_sac`` / ``fsdp_hooks_in_sac``), and ``compile.layout: auto``
+compiles such a block as AC(compile(block)), because compile(AC(block)) would run it eagerly (a graph break inside
+a traced checkpoint skips the whole region).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torch import nn
+
+from nemo_ac.config.schema import (
+    ActivationCheckpointingConfig,
+    BackendConfig,
+    CompileConfig,
+    ModelConfig,
+    ParallelConfig,
+    SelectiveACConfig,
+)
+from nemo_ac.distributed.blocks import (
+    decoder_layers,
+    decoder_layers_path,
+    routed_moe,
+    sequence_mixers,
+    vision_blocks,
+)
+from nemo_ac.workarounds.registry import workaround
+
+Layout = Literal["compile_outer", "ac_outer"]
+NestedUnit = Literal["router", "experts"]
+
+# Recompute contexts an AC wrapper composes (their order is the composition order).
+SAC_MODES = "selective"  # nemo_ac's SAC modes (pass FSDP hook ops and compiled regions through)
+FORWARD_THREAD_COMPILE = "forward_thread_compile"  # workarounds.forward_thread_compile_config
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """What happens to one block.
+
+    path: ``model.layers.3`` (also the SAC region name in desync errors).
+    mixers: kinds of its sequence mixers (``SequenceMixer.mixer_kind``), each swapped for its CP op when cp > 1.
+    moe: the block has a routed MoE (experts sharded over EP, dispatcher swapped when ep > 1).
+    nested_units: submodules fully_shard-ed on their own inside the block, in sharding order.
+    ac: none | full | selective. recompute_contexts: what its checkpoint composes (SAC_MODES, FORWARD_THREAD_COMPILE).
+    compile_layout: compile_outer = compile(AC(block)), ac_outer = AC(compile(block)), None = not compiled.
+    offload: the block's saved activations go to host memory.
+    fsdp_unit: ``wrapper`` = fully_shard(AC(block)) (torchtitan's layout), ``block`` = AC(fully_shard(block)).
+    kernels: (what, choice) pairs, e.g. ("attention", "sdpa, ulysses cp2"), ("experts", "grouped_mm").
+    """
+
+    path: str
+    kind: Literal["decoder", "vision"]
+    mixers: tuple[str, ...]
+    moe: bool
+    nested_units: tuple[NestedUnit, ...]
+    ac: str
+    recompute_contexts: tuple[str, ...]
+    compile_layout: Layout | None
+    offload: bool
+    fsdp_unit: Literal["wrapper", "block"]
+    kernels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def index(self) -> int:
+        return int(self.path.rsplit(".", 1)[1])
+
+    def describe(self) -> str:
+        """Everything but the path, in one line (blocks with equal lines share one summary line)."""
+        parts = ["+".join(self.mixers) or "no mixer", "moe" if self.moe else "dense"]
+        if self.nested_units:
+            parts.append("own FSDP units: " + ", ".join(self.nested_units))
+        extra = [c for c in self.recompute_contexts if c != SAC_MODES]  # selective AC's own modes go unsaid
+        ac = self.ac if not extra else f"{self.ac} + {', '.join(extra)}"
+        parts.append(f"AC {ac}" + (" + offload" if self.offload else ""))
+        parts.append(f"compile {self.compile_layout}" if self.compile_layout else "eager")
+        parts.append(f"fully_shard({'AC(block)' if self.fsdp_unit == 'wrapper' else 'block'})")
+        parts.extend(f"{what} {choice}" for what, choice in self.kernels)
+        return " | ".join(parts)
+
+
+@dataclass(frozen=True)
+class FSDPPlan:
+    param_dtype: str
+    reduce_dtype: str
+    reshard_after_forward: bool
+    forward_prefetch: str  # none | explicit
+    backward_prefetch: str  # default | explicit
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    backend: str
+    fullgraph: bool
+    dynamic: bool | None
+    recompile_limit: int
+    capture_scalar_outputs: bool
+    dynamic_ints: bool  # workarounds.dynamic_per_batch_ints
+
+
+@dataclass(frozen=True)
+class AppliedPlan:
+    """What applying the plan produced, for the run to read (never stashed on modules)."""
+
+    offloader: Any = None  # distributed.offload.ActivationOffloader, or None
+    compiled_checkpoint_entries: tuple[tuple[str, int], ...] = ()  # compile(AC(block)) entry frames
+    fsdp_units: int = 0
+    fsdp_units_bracketed: int = 0  # workarounds.fsdp_hooks_in_sac
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """The whole run's plan. ``applied`` is filled by ``parallelize`` once the plan has been applied."""
+
+    blocks: tuple[BlockPlan, ...]
+    ep: int
+    dispatcher: str
+    cp: int
+    cp_type: str
+    selective: SelectiveACConfig
+    ac_workarounds: bool
+    fsdp: FSDPPlan
+    compile: CompilePlan | None
+    backends: tuple[tuple[str, str], ...]  # (linear | rms_norm | attention, torch | sdpa | te)
+    workarounds: tuple[str, ...]  # names from workarounds.registry this run switches on
+    applied: AppliedPlan = field(default_factory=AppliedPlan)
+
+    def decoder_blocks(self) -> tuple[BlockPlan, ...]:
+        return tuple(b for b in self.blocks if b.kind == "decoder")
+
+    def vision_blocks(self) -> tuple[BlockPlan, ...]:
+        return tuple(b for b in self.blocks if b.kind == "vision")
+
+    def compile_layouts(self) -> list[Layout | None]:
+        return [b.compile_layout for b in self.decoder_blocks()]
+
+    def summary_lines(self) -> list[str]:
+        """The run's start-up print: the layout, one line per distinct block plan, the workarounds."""
+        lines = [
+            f"plan | ep {self.ep} ({self.dispatcher}) | cp {self.cp}"
+            + (f" ({self.cp_type})" if self.cp > 1 else "")
+            + f" | fsdp {self.fsdp.param_dtype}/{self.fsdp.reduce_dtype} prefetch fwd {self.fsdp.forward_prefetch} "
+            f"bwd {self.fsdp.backward_prefetch}"
+            + "".join(f" | backend.{key} te" for key, value in self.backends if value == "te")
+        ]
+        groups: dict[str, list[BlockPlan]] = {}
+        for block in self.blocks:
+            groups.setdefault(f"{block.kind}:{block.describe()}", []).append(block)
+        for blocks in groups.values():
+            prefix = blocks[0].path.rsplit(".", 1)[0]
+            indices = _ranges([b.index for b in blocks])
+            lines.append(f"plan | {prefix}.[{indices}] ({len(blocks)}) | {blocks[0].describe()}")
+        lines.append("plan | workarounds: " + (", ".join(self.workarounds) or "none"))
+        return lines
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    out, start = [], None
+    for i, value in enumerate(indices):
+        if start is None:
+            start = value
+        if i + 1 == len(indices) or indices[i + 1] != value + 1:
+            out.append(str(start) if start == value else f"{start}-{value}")
+            start = None
+    return ",".join(out)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# decisions
+
+
+def nested_units(block: nn.Module, *, router_fp32: bool, separate_experts: bool) -> tuple[NestedUnit, ...]:
+    """The block's submodules that get their own fully_shard: the router when kept in fp32 (its own fp32 mixed
+    precision policy), the experts when ``moe.separate_fsdp_unit``."""
+    if routed_moe(block) is None:
+        return ()
+    return (("router",) if router_fp32 else ()) + (("experts",) if separate_experts else ())
+
+
+def resolve_layout(
+    *, compile_enabled: bool, layout: str, ac_mode: str, ac_outside_fsdp: bool, holds_nested_units: bool
+) -> Layout | None:
+    """The compile layout of one block (None: compile disabled).
+
+    Without AC there is no checkpoint to be inside or outside of: the block is compiled whole (reported as
+    compile_outer). ``auto``: ac_outer for blocks whose FSDP hooks run inside the checkpoint (nested units, or AC
+    outside the block's own fully_shard), compile_outer otherwise.
+    """
+    if not compile_enabled:
+        return None
+    if ac_mode == "none":
+        return "compile_outer"
+    if layout != "auto":
+        return layout  # type: ignore[return-value]
+    return "ac_outer" if ac_outside_fsdp or holds_nested_units else "compile_outer"
+
+
+def _attention_kernel(*, attention_backend: str, cp: int, cp_type: str) -> str:
+    local = "te" if attention_backend == "te" else "sdpa"
+    return local if cp == 1 else f"{local}, {cp_type} cp{cp}"
+
+
+def _block_kernels(
+    block: nn.Module,
+    *,
+    mixers: tuple[str, ...],
+    attention_backend: str,
+    cp: int,
+    cp_type: str,
+    ep: int,
+    dispatcher: str,
+) -> tuple[tuple[str, str], ...]:
+    kernels: list[tuple[str, str]] = []
+    if "softmax_attention" in mixers:
+        kernels.append(("attention", _attention_kernel(attention_backend=attention_backend, cp=cp, cp_type=cp_type)))
+    for kind in ("linear_attention", "ssm"):
+        if kind in mixers and cp > 1:
+            kernels.append((kind, f"{cp_type} cp{cp}"))
+    moe = routed_moe(block)
+    if moe is not None:
+        kernels.append(("experts", str(getattr(moe.experts_module(), "impl", "?"))))
+        kernels.append(("dispatch", f"{dispatcher} ep{ep}" if ep > 1 else "local"))
+    return tuple(kernels)
+
+
+_MIXER_LABELS = {
+    "softmax_attention": "softmax attention",
+    "linear_attention": "linear attention",
+    "ssm": "Mamba-2 scan",
+}
+
+
+def _check_cp(mixers: tuple[str, ...], *, cp: int, cp_type: str, path: str) -> None:
+    if cp > 1 and cp_type not in ("ulysses", "ring"):
+        raise ValueError(f"parallel.cp_type: unknown {cp_type!r}; use ulysses or ring")
+    if cp > 1 and cp_type == "ring":
+        for kind in mixers:
+            if kind != "softmax_attention":
+                raise ValueError(
+                    f"parallel.cp_type: ring passes softmax-attention K/V blocks; {path} has a "
+                    f"{_MIXER_LABELS.get(kind, kind)} mixer whose recurrent state cannot be ring-passed. Use cp_type: "
+                    "ulysses"
+                )
+
+
+def _active(name: str, *, torch_version: str | None) -> bool:
+    return workaround(name).active(torch_version=torch_version)
+
+
+def decide_plan(
+    model: nn.Module,
+    *,
+    model_config: ModelConfig | None = None,
+    parallel: ParallelConfig | None = None,
+    activation_checkpointing: ActivationCheckpointingConfig | None = None,
+    compile: CompileConfig | None = None,
+    backend: BackendConfig | None = None,
+    ep: int = 1,
+    cp: int = 1,
+    torch_version: str | None = None,
+) -> ParallelPlan:
+    """The plan for ``model`` (on the meta device, nothing applied yet). The one place that reads the sections.
+
+    A section left out is its schema default (``model_config``: the model's own ``config``); ``ep`` / ``cp`` are the
+    mesh sizes; ``torch_version`` decides the workaround gates as if that torch were running.
+    """
+    model_config = model_config if model_config is not None else model.config
+    parallel = parallel if parallel is not None else ParallelConfig()
+    ac = activation_checkpointing if activation_checkpointing is not None else ActivationCheckpointingConfig()
+    compile = compile if compile is not None else CompileConfig()
+    backend = backend if backend is not None else BackendConfig()
+    moe = model_config.moe
+    ac_outside_fsdp = ac.placement == "outside"
+    compile_enabled = compile.enabled
+    selective = ac.mode == "selective"
+    forward_thread = compile_enabled and compile.forward_thread_context
+    decoder_plans = []
+    prefix = decoder_layers_path(model)
+    for index, block in enumerate(decoder_layers(model)):
+        path = f"{prefix}.{index}"
+        mixers = tuple(m.mixer_kind for m in sequence_mixers(block))
+        _check_cp(mixers, cp=cp, cp_type=parallel.cp_type, path=path)
+        units = nested_units(block, router_fp32=moe.router_dtype == "float32", separate_experts=moe.separate_fsdp_unit)
+        layout = resolve_layout(
+            compile_enabled=compile_enabled,
+            layout=compile.layout,
+            ac_mode=ac.mode,
+            ac_outside_fsdp=ac_outside_fsdp,
+            holds_nested_units=bool(units),
+        )
+        contexts = ((SAC_MODES,) if selective else ()) + (
+            (FORWARD_THREAD_COMPILE,) if forward_thread and layout == "ac_outer" and ac.mode != "none" else ()
+        )
+        decoder_plans.append(
+            BlockPlan(
+                path=path,
+                kind="decoder",
+                mixers=mixers,
+                moe=routed_moe(block) is not None,
+                nested_units=units,
+                ac=ac.mode,
+                recompute_contexts=contexts,
+                compile_layout=layout,
+                offload=ac.offload,
+                fsdp_unit="block" if ac_outside_fsdp and ac.mode != "none" else "wrapper",
+                kernels=_block_kernels(
+                    block,
+                    mixers=mixers,
+                    attention_backend=backend.attention,
+                    cp=cp,
+                    cp_type=parallel.cp_type,
+                    ep=ep,
+                    dispatcher=backend.dispatcher,
+                ),
+            )
+        )
+    # Vision blocks: FSDP units, checkpointed with the mode's own context only; never compiled, never CP-sharded.
+    vision_plans = [
+        BlockPlan(
+            path=f"model.visual.blocks.{index}",
+            kind="vision",
+            mixers=(),
+            moe=False,
+            nested_units=(),
+            ac=ac.mode,
+            recompute_contexts=(SAC_MODES,) if selective else (),
+            compile_layout=None,
+            offload=False,
+            fsdp_unit="block" if ac_outside_fsdp and ac.mode != "none" else "wrapper",
+        )
+        for index, _ in enumerate(vision_blocks(model) or [])
+    ]
+    blocks = tuple(vision_plans + decoder_plans)
+    return ParallelPlan(
+        blocks=blocks,
+        ep=ep,
+        dispatcher=backend.dispatcher,
+        cp=cp,
+        cp_type=parallel.cp_type,
+        selective=ac.selective,
+        ac_workarounds=ac.workarounds,
+        fsdp=FSDPPlan(
+            param_dtype=parallel.fsdp.param_dtype,
+            reduce_dtype=parallel.fsdp.reduce_dtype,
+            reshard_after_forward=parallel.fsdp.reshard_after_forward,
+            forward_prefetch=parallel.fsdp.forward_prefetch,
+            backward_prefetch=parallel.fsdp.backward_prefetch,
+        ),
+        compile=(
+            CompilePlan(
+                backend=compile.backend,
+                fullgraph=compile.fullgraph,
+                dynamic=compile.dynamic,
+                recompile_limit=compile.recompile_limit,
+                capture_scalar_outputs=compile.capture_scalar_outputs,
+                dynamic_ints=compile.dynamic_ints,
+            )
+            if compile_enabled
+            else None
+        ),
+        backends=tuple((key, getattr(backend, key)) for key in ("linear", "rms_norm", "attention")),
+        workarounds=_run_workarounds(blocks, compile=compile, ac=ac, torch_version=torch_version),
+    )
+
+
+def _run_workarounds(
+    blocks: tuple[BlockPlan, ...],
+    *,
+    compile: CompileConfig,
+    ac: ActivationCheckpointingConfig,
+    torch_version: str | None,
+) -> tuple[str, ...]:
+    """The registry's workarounds this run switches on (version gate and layout both)."""
+    selective_with_fixes = ac.mode == "selective" and ac.workarounds
+    ac_outer = any(b.compile_layout == "ac_outer" for b in blocks)
+    uses: list[tuple[str, Callable[[], bool]]] = [
+        ("profiler_ops_in_sac", lambda: selective_with_fixes),
+        ("fsdp_hooks_in_sac", lambda: selective_with_fixes),
+        ("forward_thread_compile_config", lambda: any(FORWARD_THREAD_COMPILE in b.recompute_contexts for b in blocks)),
+        ("compiled_regions_under_sac", lambda: ac_outer and compile.backend == "inductor"),
+        ("dynamic_per_batch_ints", lambda: compile.enabled and compile.dynamic_ints),
+    ]
+    return tuple(name for name, used in uses if used() and _active(name, torch_version=torch_version))

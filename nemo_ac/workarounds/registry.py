@@ -1,0 +1,173 @@
+"""Every torch failure nemo_ac works around, in one table: what it prevents, where the fix lives, when it can go.
+
+``nemo-ac doctor`` (its probes name a row), ``nemo_ac.compat`` (``status`` reads the gates) and the README's table
+(``python -m nemo_ac.workarounds --markdown``, checked by a test) read this registry instead of keeping lists of
+their own. A new workaround is a module in this package that opens with the error it prevents, the torch versions
+affected, the upstream issues and their state and the condition for deleting it, plus one row here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemo_ac.workarounds.gates import GATES, gate_active
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """An upstream issue or pull request and its state when last checked (the date is in ``CHECKED``)."""
+
+    ref: str  # owner/repo#number
+    state: str  # open | closed | closed unmerged | merged
+    what: str
+
+    @property
+    def url(self) -> str:
+        repo, number = self.ref.split("#")
+        return f"https://github.com/{repo}/issues/{number}"
+
+
+@dataclass(frozen=True)
+class Workaround:
+    """One row: a torch failure and nemo_ac's fix for it."""
+
+    name: str  # the module under nemo_ac.workarounds, and the key in gates.GATES when gated
+    title: str
+    error: str  # the error it prevents, short (the module docstring quotes it whole)
+    applied: str  # where nemo_ac applies it
+    compat: str  # what another FSDP2 trainer calls (nemo_ac.compat), or "" when it is internal to nemo_ac
+    upstream: tuple[Upstream, ...]
+    delete_when: str
+    gated: bool = True  # False: not version gated (asks torch at import, or costs nothing and always applies)
+
+    @property
+    def module(self) -> str:
+        return f"nemo_ac.workarounds.{self.name}"
+
+    def torch_versions(self) -> str:
+        if not self.gated:
+            return "asked of torch at import" if self.name == "grouped_mm_fake_rule" else "every release"
+        return GATES[self.name].describe()
+
+    def active(self, *, torch_version: str | None = None) -> bool:
+        """Whether nemo_ac applies it on ``torch_version`` (default: the running torch). Not-gated rows: True."""
+        return gate_active(self.name, torch_version=torch_version) if self.gated else True
+
+
+CHECKED = "2026-12-01"
+
+WORKAROUNDS: tuple[Workaround, ...] = (
+    Workaround(
+        name="profiler_ops_in_sac",
+        title="FSDP2 record_function profiler ops inside a SAC region",
+        error="profiler._record_function_enter_new.default ... encountered during backward but not found in storage",
+        applied="every SAC context factory (activation_checkpointing.contexts)",
+        compat="compat.install()",
+        upstream=(
+            Upstream("pytorch/pytorch#185178", "closed unmerged", "ignore the profiler ops in SAC"),
+            Upstream("pytorch/pytorch#196862", "closed unmerged", "FSDP all-gather internals bypass SAC"),
+            Upstream("pytorch/torchtitan#3427", "closed", "DeepSeek V3 FSDP+EP selective AC replay mismatch"),
+        ),
+        delete_when="torch lists the profiler ops in SAC_IGNORED_OPS (doctor: upstream_profiler_ignore fixed)",
+    ),
+    Workaround(
+        name="fsdp_hooks_in_sac",
+        title="FSDP2 all-gather inside a SAC region under explicit prefetch",
+        error="fsdp.all_gather_copy_in.default encountered during backward but not found in storage",
+        applied="parallelize, after fully_shard, selective AC only",
+        compat="compat.protect_fsdp_units(model) + compat.selective_checkpoint_context_fn",
+        upstream=(Upstream("pytorch/pytorch#196862", "closed unmerged", "scoped SAC bypass around FSDP all-gather"),),
+        delete_when="torch keeps FSDP2 runtime ops out of SAC (doctor: sac_fsdp_prefetch passes without it)",
+    ),
+    Workaround(
+        name="forward_thread_compile_config",
+        title="AC(compile(block)) recompute compiling with the autograd thread's Dynamo config",
+        error="torch._dynamo hit config.recompile_limit (8), then CheckpointError: Recomputed values ... different "
+        "metadata",
+        applied="checkpoint context of every ac_outer block",
+        compat="compat.forward_thread_compile_context / compat.add_recompute_context(model)",
+        upstream=(
+            Upstream("pytorch/pytorch#186537", "open", "torch 2.12 regression: per-thread compile config"),
+            Upstream("pytorch/pytorch#191777", "open", "torch.autograd.graph.AutogradContextVar"),
+            Upstream("pytorch/pytorch#186583", "closed", "propagate contextvars to Python autograd functions"),
+        ),
+        delete_when="backward-thread callbacks see the launching thread's context (doctor: thread_config, "
+        "recompute_thread)",
+    ),
+    Workaround(
+        name="compiled_regions_under_sac",
+        title="selective AC caching buffers inside inductor-compiled code",
+        error="silently wrong gradients, or: Tensor cached during selective activation checkpoint has been mutated",
+        applied="torch.compile options of every ac_outer block; SAC modes pass the region through",
+        compat="compat.ac_outer_compile_kwargs(kwargs) + compat.selective_checkpoint_context_fn",
+        upstream=(),
+        delete_when="torch's SAC treats inductor_compiled_code as opaque and uncached by default",
+    ),
+    Workaround(
+        name="dynamic_per_batch_ints",
+        title="per-micro-batch ints (document lengths, ring CP offsets) specialized by Dynamo",
+        error="torch._dynamo hit config.recompile_limit (8), then the block runs eagerly (silent)",
+        applied="compile settings of every compiled block (compile.dynamic_ints)",
+        compat="",
+        upstream=(),
+        delete_when="never as such: it is how Dynamo is told; drop names the model no longer passes",
+    ),
+    Workaround(
+        name="grouped_mm_fake_rule",
+        title="aten._grouped_mm's fake rule accepts bf16 only",
+        error="Expected inputs of BF16 type but got mat_a.dtype=torch.float32",
+        applied="experts impl grouped_mm in fp32 / fp16 (models.common.grouped_gemm)",
+        compat="",
+        upstream=(),
+        delete_when="aten_grouped_mm_traceable(torch.float32) on every supported torch",
+        gated=False,
+    ),
+    Workaround(
+        name="softplus_backward_layout",
+        title="compiled softplus_backward assumes a contiguous gradient",
+        error="view size is not compatible with input tensor's size and stride",
+        applied="Gated DeltaNet's decay (models.common.gated_deltanet)",
+        compat="",
+        upstream=(),
+        delete_when="a compiled Gated DeltaNet block with F.softplus passes its tests on every supported torch",
+        gated=False,
+    ),
+    Workaround(
+        name="rendezvous_shared_store",
+        title="torchrun restarts reading the killed attempt's rendezvous",
+        error="Gloo connectFullMesh failed ... Connection refused (or a hang) after --max-restarts",
+        applied="nemo-ac train --max-restarts sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; train.py warns",
+        compat="",
+        upstream=(Upstream("pytorch/pytorch#135712", "closed", "shared store vs restarts; fixed in 2.5 by #135957"),),
+        delete_when="the rendezvous store is per attempt on every supported torch",
+        gated=False,
+    ),
+)
+
+_BY_NAME = {workaround.name: workaround for workaround in WORKAROUNDS}
+
+
+def workaround(name: str) -> Workaround:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no workaround named {name!r}; known: {sorted(_BY_NAME)}") from None
+
+
+def active_workarounds(*, torch_version: str | None = None) -> list[Workaround]:
+    return [w for w in WORKAROUNDS if w.active(torch_version=torch_version)]
+
+
+def markdown_table() -> str:
+    """The README's workaround table (between its ``workarounds`` markers)."""
+    lines = [
+        "| workaround | the error it prevents | torch | upstream | in your own trainer |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for w in WORKAROUNDS:
+        upstream = ", ".join(f"[{u.ref.split('/')[-1]}]({u.url}) {u.state}" for u in w.upstream) or "none"
+        lines.append(
+            f"| [`{w.name}`](nemo_ac/workarounds/{w.name}.py): {w.title} | `{w.error}` | {w.torch_versions()} | "
+            f"{upstream} | {f'`{w.compat}`' if w.compat else 'internal'} |"
+        )
+    return "\n".join(lines) + "\n"
