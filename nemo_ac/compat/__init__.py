@@ -18,6 +18,7 @@ Importing this package changes no torch state; ``install()`` changes ``SAC_IGNOR
 from nemo_ac.compat.install import CompatStatus, install, installed, status, uninstall
 from nemo_ac.compat.regions import (
     ContextFn,
+    UnprotectedFSDPUnitWarning,
     ac_outer_compile_kwargs,
     add_recompute_context,
     compose_context_fns,
@@ -32,6 +33,7 @@ from nemo_ac.compat.regions import (
 __all__ = [
     "CompatStatus",
     "ContextFn",
+    "UnprotectedFSDPUnitWarning",
     "ac_outer_compile_kwargs",
     "add_recompute_context",
     "compose_context_fns",

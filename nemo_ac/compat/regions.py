@@ -28,6 +28,7 @@ torchtitan-style ``checkpoint_wrapper(module, context_fn=...)``:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -45,6 +46,7 @@ from nemo_ac.distributed.activation_checkpointing import (
 from nemo_ac.workarounds.compiled_regions_under_sac import ac_outer_compile_kwargs
 from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
 from nemo_ac.workarounds.fsdp_hooks_in_sac import (
+    UnprotectedFSDPUnitWarning,
     fsdp_hooks_outside_sac_supported,
     fsdp_units,
     install_fsdp_hooks_outside_sac,
@@ -56,6 +58,7 @@ PolicyFn = Callable[..., Any]
 
 __all__ = [
     "ContextFn",
+    "UnprotectedFSDPUnitWarning",
     "ac_outer_compile_kwargs",
     "add_recompute_context",
     "compose_context_fns",
@@ -114,11 +117,13 @@ def protect_fsdp_units(model: nn.Module, *, torch_version: str | None = None) ->
     """Run every FSDP2 unit's forward hooks outside nemo_ac's SAC modes; call after ``fully_shard``.
 
     Returns the number of units newly protected (0 on a second call: idempotent). Raises when ``model`` holds no
-    FSDP2 unit (called too early: it would protect nothing), and when a ``checkpoint_wrapper`` in ``model`` builds
-    its SAC region with torch's own modes (``create_selective_checkpoint_contexts``, as torchtitan and NeMo
-    Automodel do): those modes do not know the brackets, so the explicit-prefetch layouts would still fail with
-    torch's raw ``fsdp.all_gather_copy_in.default ... not found in storage``. A no-op (returns 0) on torch releases
-    outside the gate (``nemo_ac.workarounds.gates.GATES["fsdp_hooks_in_sac"]``).
+    FSDP2 unit (called too early: it would protect nothing). Warns (``UnprotectedFSDPUnitWarning``) when a
+    ``checkpoint_wrapper`` in ``model`` builds its SAC region with torch's own modes
+    (``create_selective_checkpoint_contexts``, as torchtitan and NeMo Automodel do), and again, once, the first time
+    a protected unit runs inside such a region (a ``checkpoint(..., context_fn=...)`` call this function cannot
+    see): those modes do not know the brackets, so the explicit-prefetch layouts would still fail with torch's raw
+    ``fsdp.all_gather_copy_in.default ... not found in storage``. A no-op (returns 0) on torch releases outside the
+    gate (``nemo_ac.workarounds.gates.GATES["fsdp_hooks_in_sac"]``).
     """
     if not fsdp_hooks_outside_sac_supported(torch_version=torch_version):
         return 0
@@ -128,13 +133,15 @@ def protect_fsdp_units(model: nn.Module, *, torch_version: str | None = None) ->
         )
     unaware = regions_with_torch_sac_modes(model)
     if unaware:
-        raise RuntimeError(
+        warnings.warn(
             f"protect_fsdp_units: the checkpoint of {', '.join(unaware[:3])}{' ...' if len(unaware) > 3 else ''} "
             "builds its SAC region with torch's own modes (create_selective_checkpoint_contexts), which run the "
             "protected FSDP hooks' ops through SAC anyway, so explicit prefetch still fails with 'fsdp.all_gather_"
             "copy_in.default ... not found in storage'. Build its context_fn with "
             "nemo_ac.compat.selective_checkpoint_context_fn(policy=your_policy) (same policy, modes that honour "
-            "the protection)"
+            "the protection)",
+            UnprotectedFSDPUnitWarning,
+            stacklevel=2,
         )
     return install_fsdp_hooks_outside_sac(model, torch_version=torch_version)
 

@@ -231,7 +231,7 @@ class SelectiveACConfig:
 
 @dataclass
 class ActivationCheckpointingConfig:
-    """Activation checkpointing of decoder (and vision) blocks: nemo_ac/distributed/activation_checkpointing.py."""
+    """Activation checkpointing of decoder (and vision) blocks: nemo_ac/distributed/activation_checkpointing/."""
 
     # none: keep every activation. full: save each block's input and recompute the whole block in backward.
     # selective: save the op outputs the selective policy picks and recompute the rest (SAC).
@@ -251,7 +251,7 @@ class ActivationCheckpointingConfig:
 
 @dataclass
 class CompileConfig:
-    """torch.compile of every decoder block in place (nemo_ac/distributed/compile.py)."""
+    """torch.compile of every decoder block in place (nemo_ac/distributed/compile/)."""
 
     enabled: bool = False  # compile each decoder block's forward (vision blocks are never compiled)
     backend: str = "inductor"  # a registered torch.compile backend (inductor, aot_eager, eager, ...)

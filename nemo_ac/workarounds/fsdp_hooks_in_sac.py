@@ -28,6 +28,7 @@ Delete when: a torch release keeps FSDP2's runtime ops out of SAC itself (``nemo
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,6 +38,12 @@ import torch
 from torch import nn
 
 from nemo_ac.workarounds.gates import gate_active
+from nemo_ac.workarounds.sac_mode_passthrough import is_passthrough_mode, is_torch_sac_mode
+
+
+class UnprotectedFSDPUnitWarning(UserWarning):
+    """A bracketed FSDP2 unit ran inside a SAC region whose modes do not honour the brackets."""
+
 
 _hook_state = threading.local()
 # FSDP unit -> the four hook handles of its brackets (no attribute on the module: the registry of what is installed).
@@ -64,8 +71,32 @@ def ops_outside_sac() -> Iterator[None]:
         _exit_bracket()
 
 
-def _enter_bracket(*_: Any) -> None:
+def _enter_bracket(*args: Any) -> None:
     _hook_state.depth = getattr(_hook_state, "depth", 0) + 1
+    if args and not _WARNED:
+        _warn_if_sac_modes_ignore_brackets(args[0])
+
+
+_WARNED: list[str] = []  # once per process
+
+
+def _warn_if_sac_modes_ignore_brackets(module: nn.Module) -> None:
+    """torch's own SAC modes (``create_selective_checkpoint_contexts`` as torchtitan and NeMo Automodel build them)
+    count, cache and replay FSDP's ops whatever the brackets say; say so once, naming the unit, instead of letting
+    the explicit-prefetch layouts fail later with torch's raw "... not found in storage" error."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if any(is_torch_sac_mode(mode) and not is_passthrough_mode(mode) for mode in _get_current_dispatch_mode_stack()):
+        _WARNED.append(type(module).__name__)
+        warnings.warn(
+            f"nemo_ac.compat.protect_fsdp_units: FSDP unit {type(module).__name__} runs inside a SAC region built "
+            "with torch's own modes (create_selective_checkpoint_contexts), which ignore the protection: with "
+            "explicit FSDP prefetch its all-gather still desyncs the recompute ('fsdp.all_gather_copy_in.default ... "
+            "not found in storage'). Build the region's context_fn with "
+            "nemo_ac.compat.selective_checkpoint_context_fn(policy=your_policy)",
+            UnprotectedFSDPUnitWarning,
+            stacklevel=2,
+        )
 
 
 def _exit_bracket(*_: Any) -> None:

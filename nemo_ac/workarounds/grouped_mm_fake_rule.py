@@ -51,6 +51,11 @@ def _probe_aten_fake_rule(dtype: torch.dtype) -> bool:
 _ATEN_TRACEABLE = {dtype: _probe_aten_fake_rule(dtype) for dtype in GROUPED_MM_DTYPES}
 
 
+def custom_op_needed() -> bool:
+    """Whether some ``GROUPED_MM_DTYPES`` dtype needs the custom op on this torch (the registry's ``active``)."""
+    return not all(aten_grouped_mm_traceable(dtype) for dtype in GROUPED_MM_DTYPES)
+
+
 def aten_grouped_mm_traceable(dtype: torch.dtype) -> bool:
     """Whether ``torch.compile`` can trace ``aten._grouped_mm`` in ``dtype`` (torch 2.13: bf16 only)."""
     return _ATEN_TRACEABLE.get(dtype, False)

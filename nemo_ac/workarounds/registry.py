@@ -8,6 +8,7 @@ affected, the upstream issues and their state and the condition for deleting it,
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 from nemo_ac.workarounds.gates import GATES, gate_active
@@ -39,6 +40,8 @@ class Workaround:
     upstream: tuple[Upstream, ...]
     delete_when: str
     gated: bool = True  # False: not version gated (asks torch at import, or costs nothing and always applies)
+    # For rows that are not version gated but ask torch: "function" in the row's module returning whether it is needed.
+    needed_probe: str = ""
 
     @property
     def module(self) -> str:
@@ -46,12 +49,17 @@ class Workaround:
 
     def torch_versions(self) -> str:
         if not self.gated:
-            return "asked of torch at import" if self.name == "grouped_mm_fake_rule" else "every release"
+            return "asked of torch at import" if self.needed_probe else "every release"
         return GATES[self.name].describe()
 
     def active(self, *, torch_version: str | None = None) -> bool:
-        """Whether nemo_ac applies it on ``torch_version`` (default: the running torch). Not-gated rows: True."""
-        return gate_active(self.name, torch_version=torch_version) if self.gated else True
+        """Whether nemo_ac applies it on ``torch_version`` (default: the running torch). Rows that ask torch answer
+        for the running torch; the others that are not gated always apply."""
+        if self.gated:
+            return gate_active(self.name, torch_version=torch_version)
+        if self.needed_probe:
+            return bool(getattr(importlib.import_module(self.module), self.needed_probe)())
+        return True
 
 
 CHECKED = "2026-12-01"
@@ -121,6 +129,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         upstream=(),
         delete_when="aten_grouped_mm_traceable(torch.float32) on every supported torch",
         gated=False,
+        needed_probe="custom_op_needed",
     ),
     Workaround(
         name="softplus_backward_layout",

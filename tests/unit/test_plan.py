@@ -1,0 +1,89 @@
+"""The parallel plan: decided from the recipe and the model contract before anything is applied, printed one line
+per distinct block plan, and the only place the run reads parallelize's decisions from."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from nemo_ac.config import load_recipe, validate_recipe
+from nemo_ac.distributed.plan import decide_plan
+from nemo_ac.models import build_model
+from nemo_ac.trainer.build import choose_kernels
+from tests.launch import RECIPES
+
+MAKE_RUN = RECIPES / "tiny" / "qwen3_6_medpix_tiny.yaml"
+
+
+def _plan(recipe_path, overrides=(), *, world_size: int, torch_version: str | None = None):
+    recipe = load_recipe(str(recipe_path), list(overrides))
+    layout = validate_recipe(recipe, world_size=world_size)
+    recipe, _ = choose_kernels(recipe, device=torch.device("cpu"))  # experts_impl: auto -> what the run builds
+    model = build_model(recipe.model)
+    return decide_plan(
+        model,
+        model_config=recipe.model,
+        parallel=recipe.parallel,
+        activation_checkpointing=recipe.activation_checkpointing,
+        compile=recipe.compile,
+        backend=recipe.backend,
+        ep=layout.ep,
+        cp=layout.cp,
+        torch_version=torch_version,
+    )
+
+
+def test_make_run_plan_prints_one_line_per_distinct_block_plan():
+    lines = _plan(MAKE_RUN, world_size=4, torch_version="2.13.0").summary_lines()
+    assert lines == [
+        "plan | ep 2 (torch) | cp 2 (ulysses) | fsdp float32/float32 prefetch fwd none bwd default",
+        "plan | model.visual.blocks.[0] (1) | no mixer | dense | AC selective | eager | fully_shard(AC(block))",
+        "plan | model.language_model.layers.[0] (1) | linear_attention | moe | own FSDP units: router, experts | "
+        "AC selective + forward_thread_compile | compile ac_outer | fully_shard(AC(block)) | linear_attention "
+        "ulysses cp2 | experts grouped_mm | dispatch torch ep2",
+        "plan | model.language_model.layers.[1] (1) | softmax_attention | moe | own FSDP units: router, experts | "
+        "AC selective + forward_thread_compile | compile ac_outer | fully_shard(AC(block)) | attention sdpa, ulysses "
+        "cp2 | experts grouped_mm | dispatch torch ep2",
+        "plan | workarounds: profiler_ops_in_sac, fsdp_hooks_in_sac, forward_thread_compile_config, "
+        "compiled_regions_under_sac, dynamic_per_batch_ints",
+    ]
+
+
+def test_equal_blocks_share_a_line_and_dense_blocks_get_no_nested_units():
+    plan = _plan(RECIPES / "tiny" / "glm_4_5_air_tiny.yaml", world_size=2)
+    dense, *moe = plan.decoder_blocks()
+    assert dense.nested_units == () and not dense.moe and all(b.nested_units == ("router", "experts") for b in moe)
+    assert all(b.offload and b.ac == "full" and b.recompute_contexts == () for b in plan.decoder_blocks())
+    block_lines = [line for line in plan.summary_lines() if "model.layers." in line]
+    assert len(block_lines) == 2 and f"model.layers.[1-{len(moe)}] ({len(moe)})" in block_lines[1]
+
+
+def test_workarounds_follow_the_gates_and_the_layout():
+    assert _plan(MAKE_RUN, world_size=4, torch_version="2.12.1").workarounds == (
+        "fsdp_hooks_in_sac",
+        "forward_thread_compile_config",
+        "compiled_regions_under_sac",
+        "dynamic_per_batch_ints",
+    )
+    full = _plan(MAKE_RUN, ["activation_checkpointing.mode=full"], world_size=4, torch_version="2.13.0")
+    assert "profiler_ops_in_sac" not in full.workarounds and "fsdp_hooks_in_sac" not in full.workarounds
+    eager = _plan(MAKE_RUN, ["compile.enabled=false"], world_size=4, torch_version="2.13.0")
+    assert eager.compile is None and eager.compile_layouts() == [None, None]
+    assert eager.workarounds == ("profiler_ops_in_sac", "fsdp_hooks_in_sac")
+
+
+def test_ring_over_a_recurrent_mixer_fails_in_the_plan_before_anything_is_applied():
+    """(Recipe validation already rejects it by family; the plan holds the same line for any model.)"""
+    recipe = load_recipe(str(MAKE_RUN))
+    model = build_model(recipe.model)
+    ring = dataclasses.replace(recipe.parallel, cp_type="ring")
+    with pytest.raises(ValueError, match=r"model.language_model.layers.0 has a linear attention mixer .* ulysses"):
+        decide_plan(model, parallel=ring, cp=2)
+
+
+def test_the_readme_shows_the_plan_make_run_prints():
+    readme = (RECIPES.parent / "README.md").read_text()
+    block = readme.split("<!-- plan:make-run -->\n```text\n", 1)[1].split("```", 1)[0]
+    assert block.splitlines() == _plan(MAKE_RUN, world_size=4).summary_lines()
