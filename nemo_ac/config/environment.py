@@ -39,6 +39,14 @@ def check_environment(recipe: RecipeConfig, *, cuda_available: bool | None = Non
         issues.append(
             ConfigIssue("model.pretrained", "loading HF weights needs 'safetensors': pip install 'nemo_ac[hf]'")
         )
+    if recipe.backend.attention == "flex" and cuda_available is False:
+        issues.append(
+            ConfigIssue(
+                "backend.attention",
+                "'flex' (FlexAttention) trains only on CUDA (torch's CPU lowering has no backward and no log-sum-exp); "
+                "use backend.attention: tiled (or auto) here",
+            )
+        )
     needs_cuda = values["backend.dispatcher"] == "deepep" or "te" in values.values() or recipe.dist.backend == "nccl"
     if needs_cuda and cuda_available is False:
         issues.append(

@@ -168,9 +168,13 @@ class ModelConfig:
 class BackendConfig:
     """Kernel backends. te / deepep need their optional extras and CUDA."""
 
-    # Attention core over packed rows: sdpa = torch SDPA with a document mask; te = Transformer Engine
-    # DotProductAttention (CUDA, nemo_ac[te]; rejected with ring CP).
-    attention: Literal["sdpa", "te"] = "sdpa"
+    # Attention core over packed rows. tiled = nemo_ac's tiled custom op: no [S, S] tensor, only tiles holding
+    # visible (same-document, causal) pairs computed, runs everywhere; flex = FlexAttention with a document block
+    # mask (CUDA); sdpa = torch SDPA with a dense [B, 1, S, S] document mask (the reference: memory and work grow
+    # with S^2); te = Transformer Engine DotProductAttention (CUDA, nemo_ac[te]; rejected with ring CP). auto = flex
+    # on CUDA, tiled elsewhere; the run prints its choice. Ring CP runs each step on the same kernel (sdpa / te: dense
+    # blocks).
+    attention: Literal["auto", "tiled", "flex", "sdpa", "te"] = "auto"
     linear: Literal["torch", "te"] = "torch"  # the decoder blocks' nn.Linear, or te.Linear (CUDA, nemo_ac[te])
     rms_norm: Literal["torch", "te"] = "torch"  # the decoder blocks' RMSNorms, or te.RMSNorm (CUDA, nemo_ac[te])
     # Expert-parallel token exchange: torch = all_to_all_single with uneven splits; deepep = DeepEP's Buffer kernels

@@ -26,6 +26,7 @@ from nemo_ac.distributed.fsdp import apply_fsdp
 from nemo_ac.distributed.mesh import ParallelMeshes
 from nemo_ac.distributed.offload import apply_offload
 from nemo_ac.distributed.plan import AppliedPlan, ParallelPlan, decide_plan
+from nemo_ac.models.common.attention import set_attention_kernel
 from nemo_ac.models.common.te_backend import apply_te_backends
 
 
@@ -49,13 +50,15 @@ def parallelize(
         backend=backend,
         ep=meshes.layout.ep,
         cp=meshes.layout.cp,
+        device_type=meshes.device_type,
     )
     return apply_plan(model, plan=plan, meshes=meshes)
 
 
 def apply_plan(model: nn.Module, *, plan: ParallelPlan, meshes: ParallelMeshes) -> ParallelPlan:
     """Apply a decided plan; returns it with ``applied`` filled in."""
-    # Kernel backends first (te swaps Transformer Engine modules into the blocks; torch / sdpa: nothing).
+    # Kernels first: the attention op the plan chose (before CP wraps it); te swaps Transformer Engine modules in.
+    set_attention_kernel(decoder_layers(model), kernel=plan.attention_kernel)
     apply_te_backends(decoder_layers(model), **dict(plan.backends))
     apply_ep(model, plan=plan, ep_mesh=meshes.ep_mesh)
     apply_cp(model, plan=plan, cp_mesh=meshes.cp)

@@ -36,6 +36,7 @@ from nemo_ac.distributed.blocks import (
     sequence_mixers,
     vision_blocks,
 )
+from nemo_ac.models.common.attention import choose_attention_kernel
 from nemo_ac.workarounds.registry import workaround
 
 Layout = Literal["compile_outer", "ac_outer"]
@@ -129,6 +130,7 @@ class ParallelPlan:
     dispatcher: str
     cp: int
     cp_type: str
+    attention_kernel: str  # backend.attention resolved: tiled | flex | sdpa | te (local op and ring step kernel)
     selective: SelectiveACConfig
     ac_workarounds: bool
     fsdp: FSDPPlan
@@ -209,8 +211,7 @@ def resolve_layout(
 
 
 def _attention_kernel(*, attention_backend: str, cp: int, cp_type: str) -> str:
-    local = "te" if attention_backend == "te" else "sdpa"
-    return local if cp == 1 else f"{local}, {cp_type} cp{cp}"
+    return attention_backend if cp == 1 else f"{attention_backend}, {cp_type} cp{cp}"
 
 
 def _block_kernels(
@@ -270,18 +271,21 @@ def decide_plan(
     backend: BackendConfig | None = None,
     ep: int = 1,
     cp: int = 1,
+    device_type: str = "cpu",
     torch_version: str | None = None,
 ) -> ParallelPlan:
     """The plan for ``model`` (on the meta device, nothing applied yet). The one place that reads the sections.
 
     A section left out is its schema default (``model_config``: the model's own ``config``); ``ep`` / ``cp`` are the
-    mesh sizes; ``torch_version`` decides the workaround gates as if that torch were running.
+    mesh sizes; ``device_type`` resolves ``backend.attention: auto``; ``torch_version`` decides the workaround
+    gates as if that torch were running.
     """
     model_config = model_config if model_config is not None else model.config
     parallel = parallel if parallel is not None else ParallelConfig()
     ac = activation_checkpointing if activation_checkpointing is not None else ActivationCheckpointingConfig()
     compile = compile if compile is not None else CompileConfig()
     backend = backend if backend is not None else BackendConfig()
+    attention_kernel = choose_attention_kernel(backend.attention, device_type=device_type)
     moe = model_config.moe
     ac_outside_fsdp = ac.placement == "outside"
     compile_enabled = compile.enabled
@@ -319,7 +323,7 @@ def decide_plan(
                 kernels=_block_kernels(
                     block,
                     mixers=mixers,
-                    attention_backend=backend.attention,
+                    attention_backend=attention_kernel,
                     cp=cp,
                     cp_type=parallel.cp_type,
                     ep=ep,
@@ -350,6 +354,7 @@ def decide_plan(
         dispatcher=backend.dispatcher,
         cp=cp,
         cp_type=parallel.cp_type,
+        attention_kernel=attention_kernel,
         selective=ac.selective,
         ac_workarounds=ac.workarounds,
         fsdp=FSDPPlan(
@@ -371,7 +376,7 @@ def decide_plan(
             if compile_enabled
             else None
         ),
-        backends=tuple((key, getattr(backend, key)) for key in ("linear", "rms_norm", "attention")),
+        backends=(("linear", backend.linear), ("rms_norm", backend.rms_norm), ("attention", attention_kernel)),
         workarounds=_run_workarounds(blocks, compile=compile, ac=ac, torch_version=torch_version),
     )
 

@@ -24,6 +24,7 @@ from nemo_ac.distributed.mesh import ParallelMeshes, build_meshes
 from nemo_ac.distributed.parallelize import parallelize
 from nemo_ac.distributed.plan import ParallelPlan
 from nemo_ac.models import build_model, model_dtype
+from nemo_ac.models.common.attention import choose_attention_kernel
 from nemo_ac.models.common.experts import choose_experts_impl
 from nemo_ac.models.freeze import freeze
 from nemo_ac.trainer.batching import make_batch_preparer
@@ -67,8 +68,12 @@ def choose_kernels(recipe: RecipeConfig, *, device: torch.device) -> tuple[Recip
     )
     how = "auto" if moe.experts_impl == "auto" else "set"
     kernels = {"experts": f"{experts_impl} ({how}: {device.type} {recipe.parallel.fsdp.param_dtype})"}
+    attention = choose_attention_kernel(recipe.backend.attention, device_type=device.type)
+    how = "auto" if recipe.backend.attention == "auto" else "set"
+    kernels["attention"] = f"{attention} ({how}: {device.type})"
     model = dataclasses.replace(recipe.model, moe=dataclasses.replace(moe, experts_impl=experts_impl))
-    return dataclasses.replace(recipe, model=model), kernels
+    backend = dataclasses.replace(recipe.backend, attention=attention)
+    return dataclasses.replace(recipe, model=model, backend=backend), kernels
 
 
 def build_parallel_model(

@@ -11,7 +11,13 @@ import dataclasses
 import pytest
 import torch
 
-from nemo_ac.distributed.context_parallel.ring import block_attention, block_mask, merge_partials, ring_block_update
+from nemo_ac.distributed.context_parallel.ring import (
+    block_attention,
+    block_mask,
+    merge_partials,
+    ring_block_update,
+    ring_kernel_step,
+)
 from nemo_ac.distributed.context_parallel.sharding import (
     RingAttentionInputs,
     head_tail_positions,
@@ -46,8 +52,11 @@ def _qkv(b: int, s: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, tor
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
 
 
-def _emulated_ring(q, k, v, docs, *, cp_size: int, meta_override: dict | None = None) -> torch.Tensor:
-    """Every rank's ring output, scattered back to global positions: [B, S, NH, HD]."""
+def _emulated_ring(
+    q, k, v, docs, *, cp_size: int, meta_override: dict | None = None, kernel: str = "sdpa"
+) -> torch.Tensor:
+    """Every rank's ring output, scattered back to global positions: [B, S, NH, HD]. kernel: sdpa = the dense
+    reference blocks (``ring_block_update``), tiled = the tiled op per step (``ring_kernel_step``)."""
     b, s = docs.shape
     scale = HD**-0.5
     out = torch.zeros_like(q)
@@ -61,6 +70,21 @@ def _emulated_ring(q, k, v, docs, *, cp_size: int, meta_override: dict | None = 
         for step in range(cp_size):
             src = (rank - step) % cp_size
             src_pos = shard_positions(s, cp_size=cp_size, cp_rank=src, cp_type="ring")
+            if kernel != "sdpa":
+                state = ring_kernel_step(
+                    state,
+                    q[:, pos],
+                    k[:, src_pos],
+                    v[:, src_pos],
+                    q_doc=docs[:, pos],
+                    meta=meta,
+                    src=src,
+                    cp_rank=rank,
+                    cp_size=cp_size,
+                    scale=scale,
+                    kernel=kernel,
+                )
+                continue
             state = ring_block_update(
                 state,
                 q_local,
@@ -73,7 +97,7 @@ def _emulated_ring(q, k, v, docs, *, cp_size: int, meta_override: dict | None = 
                 cp_size=cp_size,
                 scale=scale,
             )
-        local = torch.cat((state[0], state[2]), dim=2).transpose(1, 2)
+        local = (state[0] if kernel != "sdpa" else torch.cat((state[0], state[2]), dim=2)).transpose(1, 2)
         out = out.index_put((torch.arange(b)[:, None], pos[None, :]), local)
     return out
 
@@ -108,12 +132,13 @@ def test_block_attention_merge_equals_sdpa_including_fully_masked_rows() -> None
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "tiled"])
 @pytest.mark.parametrize("cp_size", [2, 4])
-def test_head_tail_ring_equals_full_packed_attention_forward_and_backward(cp_size: int) -> None:
+def test_head_tail_ring_equals_full_packed_attention_forward_and_backward(cp_size: int, kernel: str) -> None:
     s = 8 * cp_size + 8 * cp_size // 2  # 24 or 48: chunks of 6; never a model dimension
     docs = _docs(s)
     q, k, v = _qkv(2, s, seed=cp_size)
-    ring = _emulated_ring(q, k, v, docs, cp_size=cp_size)
+    ring = _emulated_ring(q, k, v, docs, cp_size=cp_size, kernel=kernel)
     ref = _reference(q, k, v, docs)
     torch.testing.assert_close(ring, ref, rtol=1e-12, atol=1e-12)
     grad = torch.randn_like(ref)
@@ -128,14 +153,15 @@ def test_head_tail_ring_equals_full_packed_attention_forward_and_backward(cp_siz
     [{"local_k_slice": 10**6}, {"max_seqlen_q": 1}, {"max_seqlen_k": 1}],
     ids=["local_k_slice", "max_seqlen_q", "max_seqlen_k"],
 )
-def test_per_micro_batch_ints_are_real_inputs(override: dict) -> None:
+@pytest.mark.parametrize("kernel", ["sdpa", "tiled"])
+def test_per_micro_batch_ints_are_real_inputs(override: dict, kernel: str) -> None:
     """A wrong value of any ring int changes the output: the ints take part in the computation (which is why
-    compile must keep them symbolic instead of ignoring them)."""
+    compile must keep them symbolic instead of ignoring them); the tiled kernel also skips work by them."""
     s = 24
     docs = _docs(s)
     q, k, v = _qkv(2, s, seed=7)
-    right = _emulated_ring(q, k, v, docs, cp_size=2)
-    wrong = _emulated_ring(q, k, v, docs, cp_size=2, meta_override=override)
+    right = _emulated_ring(q, k, v, docs, cp_size=2, kernel=kernel)
+    wrong = _emulated_ring(q, k, v, docs, cp_size=2, meta_override=override, kernel=kernel)
     assert not torch.allclose(right, wrong)
 
 

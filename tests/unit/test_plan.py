@@ -44,7 +44,7 @@ def test_make_run_plan_prints_one_line_per_distinct_block_plan():
         "AC selective + forward_thread_compile | compile ac_outer | fully_shard(AC(block)) | linear_attention "
         "ulysses cp2 | experts grouped_mm | dispatch torch ep2",
         "plan | model.language_model.layers.[1] (1) | softmax_attention | moe | own FSDP units: router, experts | "
-        "AC selective + forward_thread_compile | compile ac_outer | fully_shard(AC(block)) | attention sdpa, ulysses "
+        "AC selective + forward_thread_compile | compile ac_outer | fully_shard(AC(block)) | attention tiled, ulysses "
         "cp2 | experts grouped_mm | dispatch torch ep2",
         "plan | workarounds: profiler_ops_in_sac, fsdp_hooks_in_sac, forward_thread_compile_config, "
         "compiled_regions_under_sac, dynamic_per_batch_ints",

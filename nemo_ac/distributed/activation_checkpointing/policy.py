@@ -24,6 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.diagnostics.sac_explain import DecisionLog
+from nemo_ac.models.common import packed_attention as _registers_packed_attention_op  # noqa: F401
 from nemo_ac.workarounds import grouped_mm_fake_rule as _registers_grouped_mm_op  # noqa: F401  (torch.ops.nemo_ac)
 
 
@@ -56,6 +57,7 @@ _ATTENTION = (
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_flash_attention_forward",
     "aten::_efficient_attention_forward",
+    "nemo_ac::packed_attention",  # the tiled packed-document op: saved whole, the recompute never reruns it
 )
 _ROUTER = ("aten::topk", "aten::sort")
 _COMMUNICATION = (

@@ -41,10 +41,10 @@ __all__ = [
 ]
 
 
-def _cp_op(mixer: SequenceMixer, *, cp_type: str, group, rank: int, size: int):
+def _cp_op(mixer: SequenceMixer, *, cp_type: str, group, rank: int, size: int, attention_kernel: str):
     inner = getattr(mixer, mixer.mixer_op_name)
     if cp_type == "ring":  # the plan rejects ring for recurrent mixers before anything is applied
-        return functools.partial(ring_attention, group=group, cp_rank=rank, cp_size=size)
+        return functools.partial(ring_attention, group=group, cp_rank=rank, cp_size=size, kernel=attention_kernel)
     if mixer.mixer_kind == "softmax_attention":
         return functools.partial(ulysses_attention, inner=inner, group=group, cp_size=size)
     wrapper = ulysses_linear_attention if mixer.mixer_kind == "linear_attention" else ulysses_ssm
@@ -64,5 +64,7 @@ def apply_cp(model: nn.Module, *, plan: ParallelPlan, cp_mesh: DeviceMesh | None
     group, rank, size = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
     for block in decoder_layers(model):
         for mixer in sequence_mixers(block):
-            op = _cp_op(mixer, cp_type=plan.cp_type, group=group, rank=rank, size=size)
+            op = _cp_op(
+                mixer, cp_type=plan.cp_type, group=group, rank=rank, size=size, attention_kernel=plan.attention_kernel
+            )
             setattr(mixer, mixer.mixer_op_name, op)

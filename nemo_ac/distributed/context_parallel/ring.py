@@ -27,7 +27,13 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from nemo_ac.distributed.context_parallel.sharding import RingAttentionInputs, head_tail_positions
+from nemo_ac.models.common.flex_attention import flex_packed_attention
+from nemo_ac.models.common.packed_attention import packed_attention
 from nemo_ac.models.interfaces import AttentionInputs
+
+# backend.attention -> the kernel of one ring step, ``(q, k, v, **ids) -> (out [B, sq, h, d], lse [B, h, sq])``.
+# sdpa (and te, whose module has no ring form) use the dense reference blocks below.
+RING_STEP_KERNELS = {"tiled": packed_attention, "flex": flex_packed_attention}
 
 # (out_early, lse_early, out_late, lse_late): fp32 partial results for the rank's two query chunks.
 RingState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -155,9 +161,16 @@ def ring_attention(
     cp_rank: int,
     cp_size: int,
     scale: float | None = None,
+    kernel: str = "sdpa",
 ) -> torch.Tensor:
     """The ``Attention.attn_op`` for ``parallel.cp_type: ring``: q [B, s, nh, d], k/v [B, s, nkv, d] -> [B, s, nh, d],
-    where ``s = 2 * chunk`` is this rank's head-tail shard."""
+    where ``s = 2 * chunk`` is this rank's head-tail shard.
+
+    kernel: ``backend.attention``. ``tiled`` / ``flex`` run each step as one tiled (FlexAttention) call of the local
+    queries against the received block, bounded by the ring ints, and merge the steps with the log-sum-exp; tiles
+    (a whole step, when the block holds nothing visible) that cannot hold a visible pair are never computed.
+    ``sdpa`` / ``te``: the dense reference blocks.
+    """
     meta = attn.context_parallel
     if not isinstance(meta, RingAttentionInputs):
         raise TypeError(
@@ -168,6 +181,8 @@ def ring_attention(
         raise ValueError(f"ring CP shard length {q.shape[1]} must be even (two head-tail chunks)")
     num_kv = k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if kernel in RING_STEP_KERNELS:
+        return _ring_with_kernel(q, k, v, attn.document_ids, meta, kernel, group, cp_rank, cp_size, scale)
     qh = q.transpose(1, 2)
     kv = torch.cat((k, v), dim=2)  # one tensor per hop: one collective each way, a single backward chain
     state: RingState | None = None
@@ -190,3 +205,76 @@ def ring_attention(
         kv = incoming
     out_early, _, out_late, _ = state
     return torch.cat((out_early, out_late), dim=2).transpose(1, 2).to(q.dtype)
+
+
+def ring_kernel_step(
+    acc: tuple[torch.Tensor, torch.Tensor] | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_doc: torch.Tensor,
+    meta: RingAttentionInputs,
+    src: int,
+    cp_rank: int,
+    cp_size: int,
+    scale: float,
+    kernel: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold ring rank ``src``'s K/V block into this rank's ``(out [B, h, 2c, d], lse [B, h, 2c])`` with a
+    log-sum-exp kernel. q [B, 2c, nh, d] (the local head-tail chunks), k / v [B, 2c, nkv, d] (``src``'s chunks)."""
+    c = q.shape[1] // 2
+    docs = meta.document_ids
+    late = 2 * cp_size - 1 - src
+    k_doc = torch.cat((docs[:, src * c : (src + 1) * c], docs[:, late * c : (late + 1) * c]), dim=1)
+    out, lse = RING_STEP_KERNELS[kernel](
+        q,
+        k,
+        v,
+        q_doc=q_doc,
+        k_doc=k_doc,
+        q_pos=head_tail_positions(c, cp_size=cp_size, cp_rank=cp_rank, device=q.device),
+        k_pos=head_tail_positions(c, cp_size=cp_size, cp_rank=src, device=q.device),
+        scale=scale,
+        # No visible key lies before local_k_slice or further back than the longest document: real work bounds.
+        min_k_pos=meta.local_k_slice,
+        max_back=torch.sym_min(meta.max_seqlen_q, meta.max_seqlen_k),
+    )
+    out = out.transpose(1, 2)  # [B, h, 2c, d], as merge_partials takes it
+    return (out, lse) if acc is None else merge_partials(acc[0], acc[1], out, lse)
+
+
+def _ring_with_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_doc: torch.Tensor,
+    meta: RingAttentionInputs,
+    kernel: str,
+    group: dist.ProcessGroup,
+    cp_rank: int,
+    cp_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Ring steps on a log-sum-exp kernel (tiled or FlexAttention): the local chunks' queries against each block."""
+    num_kv = k.shape[2]
+    kv = torch.cat((k, v), dim=2)
+    acc = None
+    for step in range(cp_size):
+        incoming = ring_shift(kv, group=group, cp_rank=cp_rank, cp_size=cp_size) if step + 1 < cp_size else None
+        k_blk, v_blk = kv.split(num_kv, dim=2)
+        acc = ring_kernel_step(
+            acc,
+            q,
+            k_blk,
+            v_blk,
+            q_doc=q_doc,
+            meta=meta,
+            src=(cp_rank - step) % cp_size,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
+            scale=scale,
+            kernel=kernel,
+        )
+        kv = incoming
+    return acc[0].transpose(1, 2).to(q.dtype)

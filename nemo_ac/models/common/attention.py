@@ -5,9 +5,13 @@
 ``attn_op(q, k, v, attn_inputs) -> [B, S, nh, hd]``: the parallelizer swaps in Ulysses / ring context-parallel ops
 by assignment, so this module never imports distributed code.
 
-The default op, ``packed_causal_attention``, builds a boolean mask from ``document_ids`` with tensor ops only (no
-``.item()``, no Python branches on tensor values), so torch.compile does not specialize on per-batch document
-layouts or on ``max_seqlen``.
+Local kernels (``backend.attention``, chosen in the parallel plan, ``ATTENTION_OPS``):
+
+- ``sdpa``, ``packed_causal_attention``: SDPA with a dense [B, 1, S, S] document mask built with tensor ops only (no
+  ``.item()``, no Python branches on tensor values). The reference: memory and FLOPs grow with S squared.
+- ``tiled``, ``tiled_packed_attention``: the tiled custom op of ``packed_attention`` (memory linear in S, work
+  proportional to the visible pairs), bounded by ``max_seqlen``; runs everywhere.
+- ``flex``, ``flex_packed_attention_op``: FlexAttention with a document block mask (CUDA).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nemo_ac.models.common.flex_attention import flex_attention_available, flex_packed_attention
+from nemo_ac.models.common.packed_attention import packed_attention
 from nemo_ac.models.common.rmsnorm import RMSNorm
 from nemo_ac.models.common.rope import apply_rotary
 from nemo_ac.models.interfaces import AttentionInputs
@@ -76,6 +82,64 @@ def packed_causal_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
     )
     return out.transpose(1, 2)
+
+
+def _local_kernel_inputs(q: torch.Tensor, attn: AttentionInputs) -> dict:
+    docs = attn.document_ids.to(q.device)
+    positions = torch.arange(q.shape[1], device=q.device)
+    # No document is longer than max_seqlen, so no visible key lies that far back: a real bound on the work.
+    return {
+        "q_doc": docs,
+        "k_doc": docs,
+        "q_pos": positions,
+        "k_pos": positions,
+        "max_back": torch.sym_max(attn.max_seqlen, 1),
+    }
+
+
+def tiled_packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionInputs, *, scale: float | None = None
+) -> torch.Tensor:
+    """``backend.attention: tiled``: q [B, S, nh, hd], k/v [B, S, nkv, hd] -> [B, S, nh, hd], no [S, S] tensor."""
+    out, _ = packed_attention(q, k, v, scale=scale, **_local_kernel_inputs(q, attn))
+    return out.to(q.dtype)
+
+
+def flex_packed_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionInputs, *, scale: float | None = None
+) -> torch.Tensor:
+    """``backend.attention: flex``: FlexAttention with a document block mask (CUDA)."""
+    out, _ = flex_packed_attention(q, k, v, scale=scale, **_local_kernel_inputs(q, attn))
+    return out.to(q.dtype)
+
+
+def choose_attention_kernel(requested: str, *, device_type: str) -> str:
+    """``backend.attention: auto`` -> flex on CUDA (when torch has FlexAttention), tiled elsewhere; others as set."""
+    if requested != "auto":
+        return requested
+    return "flex" if device_type == "cuda" and flex_attention_available() else "tiled"
+
+
+def set_attention_kernel(layers: nn.ModuleList, *, kernel: str) -> int:
+    """Give every softmax attention in ``layers`` the local op of ``kernel`` (sdpa / tiled / flex; te swaps a
+    module in instead, see te_backend); returns how many were set. Runs before context parallel wraps the op."""
+    if kernel not in ATTENTION_OPS:
+        return 0
+    count = 0
+    for module in layers.modules():
+        if isinstance(module, Attention):
+            module.attn_op = ATTENTION_OPS[kernel]
+            count += 1
+    return count
+
+
+# backend.attention -> the local op (te is swapped in as a module by te_backend; ring CP uses the matching block
+# kernel of nemo_ac.distributed.context_parallel.ring).
+ATTENTION_OPS: dict[str, AttentionOp] = {
+    "sdpa": packed_causal_attention,
+    "tiled": tiled_packed_attention,
+    "flex": flex_packed_attention_op,
+}
 
 
 class Attention(nn.Module):

@@ -1,0 +1,86 @@
+"""FlexAttention over packed documents (``backend.attention: flex``, what ``auto`` picks on CUDA).
+
+torchtitan's choice for packed rows: a block mask built from the document ids skips every fully masked
+(query block, key block) pair inside a fused kernel, and the kernel returns the log-sum-exp the ring merge needs.
+The mask is the one the tiled op computes (same document, causal, inside the per-micro-batch window; padding attends
+only itself), so the three kernels are interchangeable.
+
+CUDA: the compiled (fused) kernel, forward and backward. CPU: torch 2.13 runs flex_attention's forward unfused in
+eager mode (it materializes the scores: a numerics check, not a kernel to train with) and its compiled CPU lowering
+supports neither training nor the log-sum-exp, so recipes validate ``flex`` against CUDA (``config.environment``)
+and the CPU tests compare the forward with the dense reference. Not run on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import torch
+
+from nemo_ac.models.common.packed_attention import UNBOUNDED
+
+
+@functools.cache
+def _flex() -> tuple[Any, Any, Any]:
+    from torch.nn.attention import flex_attention as flex
+
+    return flex.flex_attention, flex.create_block_mask, getattr(flex, "AuxRequest", None)
+
+
+@functools.cache
+def _compiled_flex() -> Any:
+    flex_attention, _, _ = _flex()
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention_available() -> bool:
+    try:
+        _flex()
+    except ImportError:
+        return False
+    return True
+
+
+def flex_packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_doc: torch.Tensor,
+    k_doc: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float | None = None,
+    min_k_pos: int = 0,
+    max_back: int = UNBOUNDED,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``packed_attention``'s contract on FlexAttention: q [B, Sq, h, d], k / v [B, Sk, hkv, d] ->
+    ``(out [B, Sq, h, d], lse [B, h, Sq])`` in fp32."""
+    flex_attention, create_block_mask, aux_request = _flex()
+    b, sq, _, d = q.shape
+    sk = k.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    qp, kp = q_pos.expand(b, sq), k_pos.expand(b, sk)
+
+    def mask_mod(batch, head, qi, ki):
+        back = qp[batch, qi] - kp[batch, ki]
+        same = (q_doc[batch, qi] == k_doc[batch, ki]) & (k_doc[batch, ki] >= 0)
+        window = (back >= 0) & (back < max_back) & (kp[batch, ki] >= min_k_pos)
+        return (same & window) | (back == 0)
+
+    block_mask = create_block_mask(mask_mod, b, None, sq, sk, device=q.device)
+    run = _compiled_flex() if q.is_cuda else flex_attention
+    kwargs: dict[str, Any] = {"block_mask": block_mask, "scale": scale, "enable_gqa": q.shape[2] != k.shape[2]}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        if aux_request is not None:
+            out, aux = run(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), return_aux=aux_request(lse=True), **kwargs
+            )
+            lse = aux.lse
+        else:  # releases before AuxRequest
+            out, lse = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), return_lse=True, **kwargs)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    return out.transpose(1, 2).to(acc), lse.to(acc)

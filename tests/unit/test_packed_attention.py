@@ -1,0 +1,187 @@
+"""The tiled packed-document attention op (``backend.attention: tiled``): exact against the dense SDPA reference,
+no [S, S] tensor, work bounded by the visible pairs, one op to torch.compile and to selective AC."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from nemo_ac.distributed.activation_checkpointing import make_selective_checkpoint_context_fn
+from nemo_ac.models.common import packed_attention as tiled
+from nemo_ac.models.common.attention import (
+    build_attention_inputs,
+    packed_causal_attention,
+    tiled_packed_attention,
+)
+from nemo_ac.models.common.flex_attention import flex_attention_available, flex_packed_attention
+from nemo_ac.models.common.packed_attention import packed_attention, visible_tile_pairs
+
+
+def _row(lengths: list[int], pad: int = 0) -> torch.Tensor:
+    return torch.tensor([i for i, n in enumerate(lengths) for _ in range(n)] + [-1] * pad)
+
+
+CASES = {
+    # two rows: short documents + padding, and one long document (rows start at position 0)
+    "short_docs_and_padding": torch.stack((_row([3, 17, 1, 30, 20], pad=9), _row([80]))),
+    "one_long_document": _row([80]).unsqueeze(0),
+    "many_short_documents": _row([5] * 16).unsqueeze(0),
+}
+
+
+def _qkv(b: int, s: int, *, dtype: torch.dtype, nh: int = 4, nkv: int = 2, hd: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(b, s, n, hd, generator=g, dtype=torch.float64).to(dtype).requires_grad_() for n in (nh, nkv, nkv)
+    )
+
+
+def _grads(out: torch.Tensor, inputs, seed: int = 1):
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.dtype)
+    return torch.autograd.grad(out, inputs, grad)
+
+
+@pytest.mark.parametrize("tile", [16, 64, 7])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_equals_the_dense_reference_outputs_and_gradients(case, tile, dtype, tol, monkeypatch):
+    """GQA (4 query heads over 2 K/V heads), padding, tiles that do not divide S."""
+    monkeypatch.setattr(tiled, "DEFAULT_TILE", tile)
+    docs = CASES[case]
+    q, k, v = _qkv(docs.shape[0], docs.shape[1], dtype=dtype)
+    attn = build_attention_inputs(docs)
+    ref = packed_causal_attention(q, k, v, attn)
+    got = tiled_packed_attention(q, k, v, attn)
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    for g, w in zip(_grads(got, (q, k, v)), _grads(ref, (q, k, v))):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+def test_rows_starting_mid_document_and_the_log_sum_exp_gradient():
+    """Queries from the middle of a document against keys that start earlier (a ring step's shape), and a loss on
+    the log-sum-exp as the ring merge has one: equal to the dense softmax over the same visible pairs."""
+    docs = _row([20, 40, 20]).unsqueeze(0)
+    q, k, v = _qkv(1, 80, dtype=torch.float64)
+    qs, ks = slice(30, 70), slice(10, 50)  # queries 30..69 see keys 10..49 of their documents
+    pos = torch.arange(80)
+    out, lse = packed_attention(
+        q[:, qs], k[:, ks], v[:, ks], q_doc=docs[:, qs], k_doc=docs[:, ks], q_pos=pos[qs], k_pos=pos[ks], tile=16
+    )
+    kk, vv = (t[:, ks].repeat_interleave(2, 2).transpose(1, 2) for t in (k, v))
+    scores = q[:, qs].transpose(1, 2) @ kk.transpose(-1, -2) * 8**-0.5
+    same = (docs[0, qs, None] == docs[0, None, ks]) & (pos[ks][None, :] <= pos[qs][:, None])
+    scores = scores.masked_fill(~same, float("-inf"))
+    ref_lse = torch.logsumexp(scores, -1)
+    ref_out = torch.nan_to_num(torch.softmax(scores, -1)) @ vv
+    rows = torch.isfinite(ref_lse)
+    assert not rows.all()  # some queries (the first document's) see nothing among these keys
+    torch.testing.assert_close(lse[rows], ref_lse[rows], rtol=1e-12, atol=1e-12)
+    assert torch.isinf(lse[~rows]).all() and (out.transpose(1, 2)[~rows] == 0).all()
+    torch.testing.assert_close(out.transpose(1, 2)[rows], ref_out[rows], rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(ref_lse).masked_fill(~rows, 0)
+    got = torch.autograd.grad((lse.masked_fill(~rows, 0) * weights).sum(), (q, k, v))
+    want = torch.autograd.grad((ref_lse.masked_fill(~rows, 0) * weights).sum(), (q, k))  # lse needs no v
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    assert (got[2] == 0).all()
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_tensor_grows_with_s_squared():
+    s = 2048
+    docs = _row([512] * 4).unsqueeze(0)
+    q, k, v = _qkv(1, s, dtype=torch.float32, nh=2, nkv=1, hd=16)
+    ids = (docs, docs, torch.arange(s), torch.arange(s))
+    with _LargestTensor() as mode:
+        out, lse = tiled.tiled_attention_forward(q, k, v, *ids, scale=0.25)
+        tiled.tiled_attention_backward(torch.ones_like(out), q, k, v, *ids, out, lse, scale=0.25)
+    assert mode.largest < s * s // 4, mode.largest  # forward and backward
+    with _LargestTensor() as dense:
+        packed_causal_attention(q, k, v, build_attention_inputs(docs))
+    assert dense.largest >= s * s  # the reference builds [B, 1, S, S] (and SDPA's CPU path the scores)
+
+
+@pytest.mark.parametrize(("lengths", "bound"), [([512] * 8, 1.3), ([4096], 1.05)])
+def test_computed_tiles_follow_the_visible_pairs(lengths, bound):
+    docs = _row(lengths).unsqueeze(0)
+    s, tile = docs.shape[1], tiled.DEFAULT_TILE
+    pos = torch.arange(s).unsqueeze(0)
+    pairs = visible_tile_pairs(docs, docs, pos, pos, tile=tile).shape[0]
+    visible = sum(n * (n + 1) // 2 for n in lengths)
+    assert visible <= pairs * tile * tile <= bound * visible, pairs * tile * tile / visible
+    # The window (the longest document) bounds the work as well: a too-small max_back drops visible tiles.
+    assert visible_tile_pairs(docs, docs, pos, pos, tile=tile, max_back=tile).shape[0] < pairs or len(lengths) == 1
+
+
+def test_one_compiled_graph_across_document_layouts(fresh_dynamo):
+    """fullgraph: the op is one opaque node; new layouts (documents, max_seqlen) never recompile."""
+    from nemo_ac.workarounds.dynamic_per_batch_ints import dynamic_source_patterns
+
+    def attend(q, k, v, attn):
+        return tiled_packed_attention(q, k, v, attn)
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    q, k, v = _qkv(2, 88, dtype=torch.float32)
+    with torch.compiler.config.patch(dynamic_sources=dynamic_source_patterns()):
+        for lengths in ([30, 58], [10, 20, 58], [88], [5, 5, 78]):
+            attn = build_attention_inputs(_row(lengths).expand(2, 88).contiguous())
+            out = compiled(q, k, v, attn)
+            torch.testing.assert_close(out, packed_causal_attention(q, k, v, attn), rtol=1e-5, atol=1e-5)
+            out.sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"] and not counters["recompiles"]
+
+
+def test_selective_ac_saves_the_op_whole_and_the_recompute_never_reruns_it(monkeypatch, private_sac_ignored_ops):
+    calls = []
+    forward = tiled.tiled_attention_forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiled, "tiled_attention_forward", counting)
+    docs = _row([30, 50]).unsqueeze(0)
+    q, k, v = _qkv(1, 80, dtype=torch.float32)
+    attn = build_attention_inputs(docs)
+
+    def region(q, k, v):
+        return (tiled_packed_attention(q, k, v, attn) * 2).sigmoid()
+
+    out = checkpoint(region, q, k, v, use_reentrant=False, context_fn=make_selective_checkpoint_context_fn())
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    assert len(calls) == 1  # forward only: the recompute replays the saved (out, lse)
+    want = torch.autograd.grad(region(q, k, v).sum(), (q, k, v))
+    assert len(calls) == 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not flex_attention_available(), reason="this torch has no FlexAttention")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_flex_forward_equals_the_reference_on_cpu(case):
+    """FlexAttention's forward runs (unfused) on CPU: same outputs and log-sum-exp as the tiled op; its backward
+    needs CUDA (benchmarks/gpu_check.sh runs it there)."""
+    docs = CASES[case]
+    q, k, v = (t.detach() for t in _qkv(docs.shape[0], docs.shape[1], dtype=torch.float32))
+    pos = torch.arange(docs.shape[1])
+    ids = {"q_doc": docs, "k_doc": docs, "q_pos": pos, "k_pos": pos}
+    out, lse = flex_packed_attention(q, k, v, **ids)
+    ref_out, ref_lse = packed_attention(q, k, v, **ids)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
