@@ -104,6 +104,26 @@ def _sdpa_formulas(*, visible_fraction: float | None) -> dict[Any, Callable[...,
     }
 
 
+def _packed_attention_formulas(*, visible_fraction: float | None) -> dict[Any, Callable[..., int]]:
+    """The tiled op (opaque to FlopCounterMode): 4 * d FLOPs per computed (query, key) pair and head forward, 10 * d
+    backward. Shapes alone cannot tell which tiles it computed; this assumes one causal document per row (the
+    flagship rows' layout, where it computes the visible half to within a tile: ratio 1.01 in
+    benchmarks/results/packed_attention.md, whose own counts run the op's plain-torch code instead)."""
+    fraction = 0.5 if visible_fraction is None else visible_fraction
+
+    def pairs(q_shape: Any, k_shape: Any) -> float:
+        b, sq, h, d = q_shape
+        return b * h * sq * k_shape[1] * d * fraction
+
+    def forward(q: Any, k: Any, *args: Any, **kwargs: Any) -> int:
+        return int(4 * pairs(q, k))
+
+    def backward(grad: Any, grad_lse: Any, q: Any, k: Any, *args: Any, **kwargs: Any) -> int:
+        return int(10 * pairs(q, k))
+
+    return {torch.ops.nemo_ac.packed_attention: forward, torch.ops.nemo_ac.packed_attention_backward: backward}
+
+
 _CUDA_SDPA = (
     aten._scaled_dot_product_efficient_attention,
     aten._scaled_dot_product_flash_attention,
@@ -127,6 +147,8 @@ def flop_mapping(*, visible_fraction: float | None) -> dict[Any, Callable[..., i
     if hasattr(torch.ops, "nemo_ac") and hasattr(torch.ops.nemo_ac, "grouped_mm"):
         mapping[torch.ops.nemo_ac.grouped_mm] = _grouped_mm_flop
         mapping[torch.ops.nemo_ac.grouped_mm_backward] = _grouped_mm_backward_flop
+    if hasattr(torch.ops, "nemo_ac") and hasattr(torch.ops.nemo_ac, "packed_attention"):
+        mapping.update(_packed_attention_formulas(visible_fraction=visible_fraction))
     mapping.update(_sdpa_formulas(visible_fraction=visible_fraction))
     return mapping
 

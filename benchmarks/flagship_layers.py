@@ -49,13 +49,16 @@ from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.distributed.activation_checkpointing import make_selective_checkpoint_context_fn
 from nemo_ac.distributed.blocks import decoder_layers
 from nemo_ac.models import build_model
+from nemo_ac.models.common.attention import set_attention_kernel
 from nemo_ac.models.common.experts import GroupedExperts, choose_experts_impl
 from nemo_ac.models.init import init_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _build_layer(row: Row, *, experts_impl: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def _build_layer(
+    row: Row, *, experts_impl: str, dtype: torch.dtype, device: torch.device, attention: str = "sdpa"
+) -> torch.nn.Module:
     cfg = dataclasses.replace(row.model, moe=dataclasses.replace(row.model.moe, experts_impl=experts_impl))
     model = build_model(cfg, device="meta")
     layer = decoder_layers(model)[row.layer_idx]
@@ -66,6 +69,7 @@ def _build_layer(row: Row, *, experts_impl: str, dtype: torch.dtype, device: tor
     layer.to_empty(device=device)
     init_weights(layer, seed=0, init_std=0.02, family=cfg.family)
     layer.to(dtype)
+    set_attention_kernel(layer, kernel=attention)  # backend.attention (the recipes' auto: flex / tiled)
     router = getattr(getattr(layer, "mlp", None), "gate", None)
     if router is not None and cfg.moe.router_dtype == "float32":
         router.float()  # the recipe keeps the router in fp32 (its own FSDP unit under bf16 params)
@@ -147,6 +151,7 @@ def _measure(
 RECURRENT = ("qwen_linear_mixer", "nemotron_mamba")
 
 
+ATTENTION_KINDS = ("qwen_attention_mixer", "glm_attention_mixer", "nemotron_attention")
 SKIPPED: list[str] = []  # rows a peer stack could not run, with the reason
 
 
@@ -165,6 +170,8 @@ def run_row(
         stacks.append(("nemo_ac loop no-AC", "loop", "none"))
     if compile_ and (row.kind not in RECURRENT or compile_recurrent):
         stacks.append(("nemo_ac compiled no-AC", "auto", "none"))
+    if row.kind in ATTENTION_KINDS:  # the tiled packed-document op beside the sdpa reference
+        stacks.append(("nemo_ac tiled no-AC", "auto", "none"))
     peak = matmul_peak(*_dominant_gemm(row), dtype=dtype, device=device)
     # The weights every stack starts from (peers copy them); each stack's own module is dropped once measured, so
     # at most two copies of the row's weights are alive.
@@ -203,7 +210,8 @@ def run_row(
         del am
     model_flops = None
     for stack, experts_impl, ac_mode in stacks:
-        layer = _build_layer(row, experts_impl=experts_impl, dtype=dtype, device=device)
+        attention = "tiled" if "tiled" in stack else "sdpa"
+        layer = _build_layer(row, experts_impl=experts_impl, dtype=dtype, device=device, attention=attention)
         fn = peers.nemo_sub_block(
             row.kind, model_cfg=row.model, nemo_layer=layer, seq_len=row.tokens, dtype=dtype, device=device
         )
@@ -223,7 +231,7 @@ def run_row(
         measured.update(
             stack=stack,
             ac=ac_mode,
-            impl=f"experts_impl={layer_impl(layer, device=device)}",
+            impl=f"experts_impl={layer_impl(layer, device=device)}, attention={attention}",
             compile_s=compile_s,
             profile=_top_op(measured["step"]) if slower else "",
         )

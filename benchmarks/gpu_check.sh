@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_check.sh            # from the repository root, with .venv built (make install)
 # 1. tiny recipes on NCCL with inductor (1 rank each: one GPU), bf16 parameters, selective AC where the recipe sets it;
 # 2. the flagship layer benchmark with --device cuda (real per-rank shapes, memory caps only), --quick first;
-# 3. the CUDA-only kernels that are installed (Transformer Engine, DeepEP) are named, and absent ones said so.
+# 3. the CUDA-only kernels that are installed (Transformer Engine, DeepEP) are named, and absent ones said so;
+# 4. the packed-attention kernels on CUDA: FlexAttention (compiled, fwd + bwd) and the tiled op against SDPA.
 # Every step runs under its own timeout and the script goes on after a failure; its exit status counts failures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +46,7 @@ step tiny_qwen3_6_medpix 180 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo
 step tiny_nemotron 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.train \
   recipes/tiny/nemotron_super_v3_tiny.yaml "${GPU[@]}" parallel.ep=1 logging.run_dir="$OUT/nemotron" \
   logging.progress_bar=never
+step attention_kernels_cuda 120 "$PY" benchmarks/attention_kernels_cuda.py
 step flagship_layers_quick_cuda 150 "$PY" benchmarks/flagship_layers.py --quick --device cuda
 step flagship_layers_cuda 240 "$PY" benchmarks/flagship_layers.py --device cuda --dtypes bfloat16
 echo "gpu_check: $failures failed step(s); logs in $OUT"

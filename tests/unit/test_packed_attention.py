@@ -185,3 +185,28 @@ def test_flex_forward_equals_the_reference_on_cpu(case):
     ref_out, ref_lse = packed_attention(q, k, v, **ids)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_a_ring_block_with_nothing_visible_computes_nothing():
+    """Keys that all lie after the queries (a ring step's block from a later chunk), or in other documents: no
+    tile is computed (0 FLOPs), every row is empty (out 0, lse -inf) and merges with zero weight."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    docs = _row([64, 64]).unsqueeze(0)
+    q, k, v = (t.detach() for t in _qkv(1, 128, dtype=torch.float32))
+    pos = torch.arange(128)
+    for keys in (slice(64, 128), slice(0, 64)):  # later positions; earlier positions of another document
+        queries = slice(0, 64) if keys.start == 64 else slice(64, 128)
+        with FlopCounterMode(display=False) as flops:
+            out, lse = tiled.tiled_attention_forward(
+                q[:, queries],
+                k[:, keys],
+                v[:, keys],
+                docs[:, queries],
+                docs[:, keys],
+                pos[queries],
+                pos[keys],
+                scale=0.125,
+            )
+        assert flops.get_total_flops() == 0
+        assert (out == 0).all() and torch.isinf(lse).all()

@@ -39,7 +39,7 @@ def test_flagship_has_the_issue_s_layout_and_switches():
     assert recipe.parallel.cp_type == "ulysses" and recipe.data.max_length == 4096
     assert recipe.activation_checkpointing.mode == "selective" and recipe.compile.enabled
     assert recipe.model.moe.router_dtype == "float32" and recipe.train.freeze.vision_tower
-    assert recipe.backend.dispatcher == "torch" and recipe.backend.attention == "sdpa"
+    assert recipe.backend.dispatcher == "torch" and recipe.backend.attention == "auto"  # FlexAttention on CUDA
     text = Path(FLAGSHIP).read_text()
     assert "backend.dispatcher=deepep" in text and "backend.attention=te" in text  # how to switch, in the recipe
 

@@ -120,7 +120,7 @@ def choose_attention_kernel(requested: str, *, device_type: str) -> str:
     return "flex" if device_type == "cuda" and flex_attention_available() else "tiled"
 
 
-def set_attention_kernel(layers: nn.ModuleList, *, kernel: str) -> int:
+def set_attention_kernel(layers: nn.Module, *, kernel: str) -> int:
     """Give every softmax attention in ``layers`` the local op of ``kernel`` (sdpa / tiled / flex; te swaps a
     module in instead, see te_backend); returns how many were set. Runs before context parallel wraps the op."""
     if kernel not in ATTENTION_OPS:
