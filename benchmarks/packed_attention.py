@@ -35,7 +35,11 @@ from _common import markdown_table, write_json
 from _measure import flop_mapping, peak_bytes, release_free_memory, time_steps
 
 from nemo_ac.distributed.context_parallel.ring import ring_block_update, ring_kernel_step
-from nemo_ac.distributed.context_parallel.sharding import ring_attention_inputs, shard_positions
+from nemo_ac.distributed.context_parallel.sharding import (
+    document_extents,
+    ring_attention_inputs,
+    shard_positions,
+)
 from nemo_ac.models.common import packed_attention as tiled
 from nemo_ac.models.common.attention import (
     build_attention_inputs,
@@ -67,14 +71,8 @@ def document_row(length: int, *, mean: int | None, seed: int) -> torch.Tensor:
 
 def visible_pairs(docs: torch.Tensor, q_positions: torch.Tensor) -> int:
     """(query, key) pairs with the key in the query's document at or before it, for the given query positions."""
-    start, _ = _extents(docs)
+    start, _ = document_extents(docs)
     return int((q_positions - start[0, q_positions] + 1).sum())
-
-
-def _extents(docs: torch.Tensor):
-    from nemo_ac.distributed.context_parallel.sharding import document_extents
-
-    return document_extents(docs)
 
 
 def _qkv(length: int, heads: int, kv_heads: int, head_dim: int, *, seed: int):

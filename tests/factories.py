@@ -251,3 +251,18 @@ def peer_layers(family: str) -> tuple[ModelConfig, torch.nn.ModuleList]:
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to max |b|."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def run_side_by_side(runs: dict, *, seq: int, hidden: int) -> dict[str, tuple]:
+    """For each ``name -> (fn, named parameters)``: forward on the same random input, backward of a probe loss (its
+    gradient is not all ones); ``name -> (out, d input, {param name: grad})``."""
+    gen = torch.Generator().manual_seed(2)
+    h = torch.randn(1, seq, hidden, generator=gen)
+    probe = torch.randn(1, seq, hidden, generator=gen)
+    results = {}
+    for name, (fn, params) in runs.items():
+        x = h.clone().requires_grad_(True)
+        out = fn(x)
+        (out * probe).sum().backward()
+        results[name] = (out.detach(), x.grad, {k: p.grad for k, p in params.items()})
+    return results

@@ -143,7 +143,7 @@ def protect_fsdp_units(model: nn.Module, *, torch_version: str | None = None) ->
             UnprotectedFSDPUnitWarning,
             stacklevel=2,
         )
-    return install_fsdp_hooks_outside_sac(model, torch_version=torch_version)
+    return install_fsdp_hooks_outside_sac(model, torch_version=torch_version, warn_on_torch_sac_modes=True)
 
 
 def regions_with_torch_sac_modes(model: nn.Module) -> list[str]:

@@ -15,7 +15,6 @@ a traced checkpoint skips the whole region).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -257,10 +256,6 @@ def _check_cp(mixers: tuple[str, ...], *, cp: int, cp_type: str, path: str) -> N
                 )
 
 
-def _active(name: str, *, torch_version: str | None) -> bool:
-    return workaround(name).active(torch_version=torch_version)
-
-
 def decide_plan(
     model: nn.Module,
     *,
@@ -391,11 +386,13 @@ def _run_workarounds(
     """The registry's workarounds this run switches on (version gate and layout both)."""
     selective_with_fixes = ac.mode == "selective" and ac.workarounds
     ac_outer = any(b.compile_layout == "ac_outer" for b in blocks)
-    uses: list[tuple[str, Callable[[], bool]]] = [
-        ("profiler_ops_in_sac", lambda: selective_with_fixes),
-        ("fsdp_hooks_in_sac", lambda: selective_with_fixes),
-        ("forward_thread_compile_config", lambda: any(FORWARD_THREAD_COMPILE in b.recompute_contexts for b in blocks)),
-        ("compiled_regions_under_sac", lambda: ac_outer and compile.backend == "inductor"),
-        ("dynamic_per_batch_ints", lambda: compile.enabled and compile.dynamic_ints),
-    ]
-    return tuple(name for name, used in uses if used() and _active(name, torch_version=torch_version))
+    used = {
+        "profiler_ops_in_sac": selective_with_fixes,
+        "fsdp_hooks_in_sac": selective_with_fixes,
+        "forward_thread_compile_config": any(FORWARD_THREAD_COMPILE in b.recompute_contexts for b in blocks),
+        "compiled_regions_under_sac": ac_outer and compile.backend == "inductor",
+        "dynamic_per_batch_ints": compile.enabled and compile.dynamic_ints,
+    }
+    return tuple(
+        name for name, needed in used.items() if needed and workaround(name).active(torch_version=torch_version)
+    )

@@ -11,7 +11,6 @@ from nemo_ac.workarounds.registry import (
     WORKAROUNDS,
     Upstream,
     Workaround,
-    active_workarounds,
     markdown_table,
     workaround,
 )
@@ -22,7 +21,6 @@ __all__ = [
     "TorchGate",
     "Upstream",
     "Workaround",
-    "active_workarounds",
     "gate_active",
     "markdown_table",
     "torch_version_release",

@@ -71,10 +71,15 @@ def ops_outside_sac() -> Iterator[None]:
         _exit_bracket()
 
 
-def _enter_bracket(*args: Any) -> None:
+def _enter_bracket(*_: Any) -> None:
     _hook_state.depth = getattr(_hook_state, "depth", 0) + 1
-    if args and not _WARNED:
-        _warn_if_sac_modes_ignore_brackets(args[0])
+
+
+def _enter_bracket_checked(module: nn.Module, *_: Any) -> None:
+    """``_enter_bracket`` for units another trainer protects (``nemo_ac.compat``): its SAC modes may be torch's."""
+    _enter_bracket()
+    if not _WARNED:
+        _warn_if_sac_modes_ignore_brackets(module)
 
 
 _WARNED: list[str] = []  # once per process
@@ -111,6 +116,7 @@ def _dynamo_disabled(fn):
 
 
 _enter_hook = _dynamo_disabled(_enter_bracket)
+_enter_hook_checked = _dynamo_disabled(_enter_bracket_checked)
 _exit_hook = _dynamo_disabled(_exit_bracket)
 
 
@@ -131,7 +137,9 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [] if fsdp_type is None else [module for module in model.modules() if isinstance(module, fsdp_type)]
 
 
-def install_fsdp_hooks_outside_sac(model: nn.Module, *, torch_version: str | None = None) -> int:
+def install_fsdp_hooks_outside_sac(
+    model: nn.Module, *, torch_version: str | None = None, warn_on_torch_sac_modes: bool = False
+) -> int:
     """Bracket the forward pre/post hooks of every FSDP2 unit in ``model``; returns how many units it bracketed.
 
     Must run after ``fully_shard`` (FSDP registers its pre-hook with ``prepend=True`` and its post-hook appended):
@@ -139,26 +147,26 @@ def install_fsdp_hooks_outside_sac(model: nn.Module, *, torch_version: str | Non
     post-hook prepended and the closing post-hook appended with ``always_call=True`` (so an exception in forward
     closes the bracket). nemo_ac registers no other hooks on these modules, so exactly FSDP's hooks run inside the
     brackets. Idempotent per module; a no-op outside the gate.
+
+    warn_on_torch_sac_modes: check, at each unit's forward until it first warns, whether the enclosing SAC region
+    uses torch's own modes, which ignore the brackets (``nemo_ac.compat.protect_fsdp_units`` sets it; nemo_ac's own
+    regions always use the pass-through modes, so the parallelizer keeps the check off its hot path).
     """
     if not fsdp_hooks_outside_sac_supported(torch_version=torch_version):
         return 0
+    enter = _enter_hook_checked if warn_on_torch_sac_modes else _enter_hook
     count = 0
     for module in fsdp_units(model):
         if module in _BRACKETS:
             continue
         _BRACKETS[module] = (
-            module.register_forward_pre_hook(_enter_hook, prepend=True),
+            module.register_forward_pre_hook(enter, prepend=True),
             module.register_forward_pre_hook(_exit_hook),
-            module.register_forward_hook(_enter_hook, prepend=True),
+            module.register_forward_hook(enter, prepend=True),
             module.register_forward_hook(_exit_hook, always_call=True),
         )
         count += 1
     return count
-
-
-def fsdp_hooks_bracketed(module: nn.Module) -> bool:
-    """Whether ``install_fsdp_hooks_outside_sac`` bracketed this FSDP unit's hooks."""
-    return module in _BRACKETS
 
 
 def remove_fsdp_hooks_outside_sac(model: nn.Module) -> int:

@@ -163,10 +163,6 @@ def workaround(name: str) -> Workaround:
         raise KeyError(f"no workaround named {name!r}; known: {sorted(_BY_NAME)}") from None
 
 
-def active_workarounds(*, torch_version: str | None = None) -> list[Workaround]:
-    return [w for w in WORKAROUNDS if w.active(torch_version=torch_version)]
-
-
 def markdown_table() -> str:
     """The README's workaround table (between its ``workarounds`` markers)."""
     lines = [

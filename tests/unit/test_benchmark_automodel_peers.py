@@ -23,7 +23,7 @@ pytest.importorskip("transformers.models.qwen3_5_moe", reason="this transformers
 import _automodel_peers as am  # noqa: E402
 import _flagship_peers as peers  # noqa: E402
 
-from tests.factories import PEER_LAYER, PEER_SEQ, PEER_TOL, peer_layers, rel_err  # noqa: E402
+from tests.factories import PEER_LAYER, PEER_SEQ, PEER_TOL, peer_layers, rel_err, run_side_by_side  # noqa: E402
 
 if not am.automodel_available():
     pytest.skip("nemo_automodel is installed but its model components do not import", allow_module_level=True)
@@ -45,18 +45,11 @@ def test_automodel_peer_matches_nemo_sub_block(kind: str) -> None:
     assert kind not in am.UNSUPPORTED
     print(f"{kind}: {peer.impl}")
 
-    gen = torch.Generator().manual_seed(2)
-    h = torch.randn(1, seq, cfg.hidden_size, generator=gen)
-    probe = torch.randn(1, seq, cfg.hidden_size, generator=gen)  # a loss whose gradient is not all ones
-    results = {}
-    for name, fn, params in (
-        ("nemo", ours, dict(layer.named_parameters())),
-        ("automodel", peer.run, dict(peer.module.named_parameters())),
-    ):
-        x = h.clone().requires_grad_(True)
-        out = fn(x)
-        (out * probe).sum().backward()
-        results[name] = (out.detach(), x.grad, {k: p.grad for k, p in params.items()})
+    runs = {
+        "nemo": (ours, dict(layer.named_parameters())),
+        "automodel": (peer.run, dict(peer.module.named_parameters())),
+    }
+    results = run_side_by_side(runs, seq=seq, hidden=cfg.hidden_size)
     (out_n, dx_n, g_n), (out_a, dx_a, g_a) = results["nemo"], results["automodel"]
 
     errs = {"out": rel_err(out_n, out_a), "dx": rel_err(dx_n, dx_a)}

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.factories import PEER_LAYER, PEER_SEQ, PEER_TOL, peer_layers, rel_err  # noqa: E402
+from tests.factories import PEER_LAYER, PEER_SEQ, PEER_TOL, peer_layers, rel_err, run_side_by_side  # noqa: E402
 
 pytest.importorskip("transformers", reason="transformers is not importable; the peers need it")
 pytest.importorskip("transformers.models.qwen3_5_moe", reason="this transformers has no qwen3_5_moe")
@@ -42,18 +42,8 @@ def test_peer_matches_nemo_sub_block(kind: str) -> None:
     peer = peers.build_peer(kind, layer_idx=PEER_LAYER[kind], device=torch.device("cpu"), **common)
     print(f"{kind}: {peer.impl}")
 
-    gen = torch.Generator().manual_seed(2)
-    h = torch.randn(1, seq, cfg.hidden_size, generator=gen)
-    probe = torch.randn(1, seq, cfg.hidden_size, generator=gen)  # a loss whose gradient is not all ones
-    results = {}
-    for name, fn, params in (
-        ("nemo", ours, dict(layer.named_parameters())),
-        ("hf", peer.run, dict(peer.module.named_parameters())),
-    ):
-        x = h.clone().requires_grad_(True)
-        out = fn(x)
-        (out * probe).sum().backward()
-        results[name] = (out.detach(), x.grad, {k: p.grad for k, p in params.items()})
+    runs = {"nemo": (ours, dict(layer.named_parameters())), "hf": (peer.run, dict(peer.module.named_parameters()))}
+    results = run_side_by_side(runs, seq=seq, hidden=cfg.hidden_size)
     (out_n, dx_n, g_n), (out_h, dx_h, g_h) = results["nemo"], results["hf"]
 
     errs = {"out": rel_err(out_n, out_h), "dx": rel_err(dx_n, dx_h)}

@@ -106,6 +106,13 @@ def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x if x.shape[1] == num_heads else x.repeat_interleave(num_heads // x.shape[1], dim=1)
 
 
+def block_document_ids(meta: RingAttentionInputs, *, src: int, chunk: int, cp_size: int) -> torch.Tensor:
+    """[B, 2 * chunk] document ids of ring rank ``src``'s head-tail chunks, sliced from the full rows every CP rank
+    holds (only K/V travel around the ring)."""
+    docs, late = meta.document_ids, 2 * cp_size - 1 - src
+    return torch.cat((docs[:, src * chunk : (src + 1) * chunk], docs[:, late * chunk : (late + 1) * chunk]), dim=1)
+
+
 def ring_block_update(
     state: RingState | None,
     q: torch.Tensor,
@@ -127,9 +134,7 @@ def ring_block_update(
     c = q.shape[2] // 2
     q_pos = head_tail_positions(c, cp_size=cp_size, cp_rank=cp_rank, device=q.device)
     k_pos = head_tail_positions(c, cp_size=cp_size, cp_rank=src, device=q.device)
-    late = 2 * cp_size - 1 - src
-    docs = meta.document_ids
-    k_doc = torch.cat((docs[:, src * c : (src + 1) * c], docs[:, late * c : (late + 1) * c]), dim=1)
+    k_doc = block_document_ids(meta, src=src, chunk=c, cp_size=cp_size)
     k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
     if src == cp_rank:
         if state is not None:
@@ -181,30 +186,45 @@ def ring_attention(
         raise ValueError(f"ring CP shard length {q.shape[1]} must be even (two head-tail chunks)")
     num_kv = k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if kernel in RING_STEP_KERNELS:
-        return _ring_with_kernel(q, k, v, attn.document_ids, meta, kernel, group, cp_rank, cp_size, scale)
+    lse_kernel = kernel in RING_STEP_KERNELS
     qh = q.transpose(1, 2)
     kv = torch.cat((k, v), dim=2)  # one tensor per hop: one collective each way, a single backward chain
-    state: RingState | None = None
+    state: RingState | tuple[torch.Tensor, torch.Tensor] | None = None
     for step in range(cp_size):
         # Start the next hop before computing this block so communication overlaps compute.
         incoming = ring_shift(kv, group=group, cp_rank=cp_rank, cp_size=cp_size) if step + 1 < cp_size else None
         k_blk, v_blk = kv.split(num_kv, dim=2)
-        state = ring_block_update(
-            state,
-            qh,
-            k_blk.transpose(1, 2),
-            v_blk.transpose(1, 2),
-            q_doc=attn.document_ids,
-            meta=meta,
-            src=(cp_rank - step) % cp_size,
-            cp_rank=cp_rank,
-            cp_size=cp_size,
-            scale=scale,
-        )
+        src = (cp_rank - step) % cp_size
+        if lse_kernel:  # the local head-tail chunks against the whole block, merged by log-sum-exp
+            state = ring_kernel_step(
+                state,
+                q,
+                k_blk,
+                v_blk,
+                q_doc=attn.document_ids,
+                meta=meta,
+                src=src,
+                cp_rank=cp_rank,
+                cp_size=cp_size,
+                scale=scale,
+                kernel=kernel,
+            )
+        else:  # dense reference blocks, causally split per chunk
+            state = ring_block_update(
+                state,
+                qh,
+                k_blk.transpose(1, 2),
+                v_blk.transpose(1, 2),
+                q_doc=attn.document_ids,
+                meta=meta,
+                src=src,
+                cp_rank=cp_rank,
+                cp_size=cp_size,
+                scale=scale,
+            )
         kv = incoming
-    out_early, _, out_late, _ = state
-    return torch.cat((out_early, out_late), dim=2).transpose(1, 2).to(q.dtype)
+    out = state[0] if lse_kernel else torch.cat((state[0], state[2]), dim=2)
+    return out.transpose(1, 2).to(q.dtype)
 
 
 def ring_kernel_step(
@@ -224,15 +244,12 @@ def ring_kernel_step(
     """Fold ring rank ``src``'s K/V block into this rank's ``(out [B, h, 2c, d], lse [B, h, 2c])`` with a
     log-sum-exp kernel. q [B, 2c, nh, d] (the local head-tail chunks), k / v [B, 2c, nkv, d] (``src``'s chunks)."""
     c = q.shape[1] // 2
-    docs = meta.document_ids
-    late = 2 * cp_size - 1 - src
-    k_doc = torch.cat((docs[:, src * c : (src + 1) * c], docs[:, late * c : (late + 1) * c]), dim=1)
     out, lse = RING_STEP_KERNELS[kernel](
         q,
         k,
         v,
         q_doc=q_doc,
-        k_doc=k_doc,
+        k_doc=block_document_ids(meta, src=src, chunk=c, cp_size=cp_size),
         q_pos=head_tail_positions(c, cp_size=cp_size, cp_rank=cp_rank, device=q.device),
         k_pos=head_tail_positions(c, cp_size=cp_size, cp_rank=src, device=q.device),
         scale=scale,
@@ -242,39 +259,3 @@ def ring_kernel_step(
     )
     out = out.transpose(1, 2)  # [B, h, 2c, d], as merge_partials takes it
     return (out, lse) if acc is None else merge_partials(acc[0], acc[1], out, lse)
-
-
-def _ring_with_kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_doc: torch.Tensor,
-    meta: RingAttentionInputs,
-    kernel: str,
-    group: dist.ProcessGroup,
-    cp_rank: int,
-    cp_size: int,
-    scale: float,
-) -> torch.Tensor:
-    """Ring steps on a log-sum-exp kernel (tiled or FlexAttention): the local chunks' queries against each block."""
-    num_kv = k.shape[2]
-    kv = torch.cat((k, v), dim=2)
-    acc = None
-    for step in range(cp_size):
-        incoming = ring_shift(kv, group=group, cp_rank=cp_rank, cp_size=cp_size) if step + 1 < cp_size else None
-        k_blk, v_blk = kv.split(num_kv, dim=2)
-        acc = ring_kernel_step(
-            acc,
-            q,
-            k_blk,
-            v_blk,
-            q_doc=q_doc,
-            meta=meta,
-            src=(cp_rank - step) % cp_size,
-            cp_rank=cp_rank,
-            cp_size=cp_size,
-            scale=scale,
-            kernel=kernel,
-        )
-        kv = incoming
-    return acc[0].transpose(1, 2).to(q.dtype)

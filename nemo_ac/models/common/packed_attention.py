@@ -175,6 +175,12 @@ class _Tiled:
             max_back=self.max_back,
         )
 
+    def scores(self, qi: torch.Tensor, ki: torch.Tensor, *, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """[P, hkv, g*T, T] scaled scores of the pairs in ``dtype``, -inf where the exact mask hides a pair (the
+        forward and the backward's recompute compute them alike)."""
+        scores = torch.matmul(self.q[qi], self.k[ki].transpose(-1, -2)).to(dtype) * scale
+        return scores.masked_fill(~self.mask(qi, ki), float("-inf"))
+
     def mask(self, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
         """[P, 1, g*T, T] exact mask of the pairs (broadcast over K/V heads, repeated over a head group's rows)."""
         qd, kd, qp, kp = self.row_ids()
@@ -229,8 +235,7 @@ def tiled_attention_forward(
     l_run = torch.zeros_like(m_run)
     o_run = torch.zeros((t.b * t.nq, t.hkv, rows, t.d), dtype=acc, device=q.device)
     for qi, ki, lo, hi in _chunks(t.pairs(), pairs_per_chunk or _pairs_per_chunk(tile)):
-        scores = torch.matmul(t.q[qi], t.k[ki].transpose(-1, -2)).to(acc) * scale
-        scores = scores.masked_fill(~t.mask(qi, ki), float("-inf"))
+        scores = t.scores(qi, ki, scale=scale, dtype=acc)
         local = qi - lo  # the chunk's query tiles within [lo, hi): only those accumulators are touched
         index = local[:, None, None].expand(-1, t.hkv, rows)
         m_old = m_run[lo:hi]
@@ -291,8 +296,7 @@ def tiled_attention_backward(
     dv = torch.zeros_like(dk)
     qa, ka, va = t.q.to(acc), t.k.to(acc), t.v.to(acc)
     for qi, ki, _, _ in _chunks(t.pairs(), pairs_per_chunk or _pairs_per_chunk(tile)):
-        scores = torch.matmul(t.q[qi], t.k[ki].transpose(-1, -2)).to(acc) * scale
-        scores = scores.masked_fill(~t.mask(qi, ki), float("-inf"))
+        scores = t.scores(qi, ki, scale=scale, dtype=acc)
         probs = torch.exp(scores - lse_safe[qi].unsqueeze(-1))  # rows without keys: exp(-inf) = 0
         dv.index_add_(0, ki, torch.matmul(probs.transpose(-1, -2), do[qi]))
         dprobs = torch.matmul(do[qi], va[ki].transpose(-1, -2))
