@@ -8,7 +8,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from nemo_ac.config import ConfigError, check_environment, load_recipe, validate_recipe
+from nemo_ac.config import ConfigError, RecipeConfig, check_environment, load_recipe, validate_recipe
+from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.doctor.args import add_doctor_arguments
 
 
@@ -29,6 +30,7 @@ def _validate(args: argparse.Namespace) -> int:
             missing = check_environment(recipe, cuda_available=torch.cuda.is_available())
             if missing:
                 raise ConfigError(missing, source=args.recipe)
+        plan_lines = _plan_lines(recipe, layout) if args.plan else []
     except ConfigError as exc:
         print(f"nemo-ac validate: {exc}", file=sys.stderr)
         return 2
@@ -36,7 +38,16 @@ def _validate(args: argparse.Namespace) -> int:
         f"{args.recipe}: OK at world size {layout.world_size}: dp_replicate {layout.dp_replicate} x dp_shard "
         f"{layout.dp_shard} x cp {layout.cp} ({recipe.parallel.cp_type}), ep {layout.ep} x ep_shard {layout.ep_shard}"
     )
+    for line in plan_lines:
+        print(line)
     return 0
+
+
+def _plan_lines(recipe: RecipeConfig, layout: ParallelLayout) -> list[str]:
+    """The parallel plan the run would print at start, decided on the model on meta (imports torch)."""
+    from nemo_ac.trainer.build import plan_recipe
+
+    return plan_recipe(recipe, layout, device_type=recipe.dist.device).summary_lines()
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -87,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("recipe")
     validate.add_argument("--world-size", type=int, required=True)
     validate.add_argument("--check-env", action="store_true", help="also require the optional extras it names")
+    validate.add_argument("--plan", action="store_true", help="also print the parallel plan the run would apply")
     validate.set_defaults(func=_validate)
 
     doctor = sub.add_parser(

@@ -299,6 +299,16 @@ def _holds_nested_fsdp_units(recipe: RecipeConfig) -> bool:
     return has_moe and (m.moe.separate_fsdp_unit or m.moe.router_dtype == "float32")
 
 
+def _te_backend_keys(recipe: RecipeConfig) -> list[str]:
+    """The ``backend.*`` keys set to te (each swaps Dynamo-disabled TE modules into the blocks)."""
+    b = recipe.backend
+    return [
+        f"backend.{key}"
+        for key, value in (("linear", b.linear), ("rms_norm", b.rms_norm), ("attention", b.attention))
+        if value == "te"
+    ]
+
+
 def _nested_units_fix() -> str:
     return "model.moe.separate_fsdp_unit=false and model.moe.router_dtype=param"
 
@@ -332,6 +342,24 @@ def check_compile(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
                     f"checkpoint; {why}. Use compile.layout=auto or ac_outer, or set {_nested_units_fix()}",
                 )
             )
+    te_keys = _te_backend_keys(recipe)
+    if te_keys and comp.layout == "compile_outer" and ac.mode != "none":
+        issues.append(
+            ConfigIssue(
+                "compile.layout",
+                f"compile_outer traces each block's checkpoint as one region, and the Transformer Engine modules that "
+                f"{', '.join(te_keys)}: te put in every block are Dynamo-disabled, so each block would run eagerly; use "
+                "compile.layout=auto (ac_outer for those blocks: the rest compiles around the TE calls)",
+            )
+        )
+    if comp.fullgraph and te_keys:
+        issues.append(
+            ConfigIssue(
+                "compile.fullgraph",
+                f"true fails at the first Transformer Engine module ({', '.join(te_keys)}: te; TE's forwards are "
+                "Dynamo-disabled); set compile.fullgraph=false",
+            )
+        )
     if comp.fullgraph and nested:
         issues.append(
             ConfigIssue(

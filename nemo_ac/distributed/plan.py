@@ -10,7 +10,8 @@ compiled checkpoint entries) from ``ParallelPlan.applied``, never from module at
 Why a block holds nested FSDP units matters twice: their FSDP2 hooks then run inside the block's checkpoint (the
 torch 2.13 SAC desync, ``workarounds.profiler_ops_in_sac`` / ``fsdp_hooks_in_sac``), and ``compile.layout: auto``
 compiles such a block as AC(compile(block)), because compile(AC(block)) would run it eagerly (a graph break inside
-a traced checkpoint skips the whole region).
+a traced checkpoint skips the whole region). Blocks holding modules Dynamo will not trace (Transformer Engine's,
+``distributed.untraceable``) get ac_outer for the same reason: there the break only splits the compiled block.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.config.schema import (
     ActivationCheckpointingConfig,
     BackendConfig,
@@ -35,6 +37,7 @@ from nemo_ac.distributed.blocks import (
     sequence_mixers,
     vision_blocks,
 )
+from nemo_ac.distributed.untraceable import describe_untraceable, untraceable_modules
 from nemo_ac.models.common.attention import choose_attention_kernel
 from nemo_ac.workarounds.registry import workaround
 
@@ -59,6 +62,8 @@ class BlockPlan:
     offload: the block's saved activations go to host memory.
     fsdp_unit: ``wrapper`` = fully_shard(AC(block)) (torchtitan's layout), ``block`` = AC(fully_shard(block)).
     kernels: (what, choice) pairs, e.g. ("attention", "sdpa, ulysses cp2"), ("experts", "grouped_mm").
+    untraceable: (class name, count) of modules Dynamo will not trace (TE's, or Dynamo-disabled ones): each is a
+        graph break in the compiled block, so such a block is never compile(AC(block)).
     """
 
     path: str
@@ -72,6 +77,7 @@ class BlockPlan:
     offload: bool
     fsdp_unit: Literal["wrapper", "block"]
     kernels: tuple[tuple[str, str], ...] = ()
+    untraceable: tuple[tuple[str, int], ...] = ()
 
     @property
     def index(self) -> int:
@@ -85,7 +91,10 @@ class BlockPlan:
         extra = [c for c in self.recompute_contexts if c != SAC_MODES]  # selective AC's own modes go unsaid
         ac = self.ac if not extra else f"{self.ac} + {', '.join(extra)}"
         parts.append(f"AC {ac}" + (" + offload" if self.offload else ""))
-        parts.append(f"compile {self.compile_layout}" if self.compile_layout else "eager")
+        compiled = f"compile {self.compile_layout}" if self.compile_layout else "eager"
+        if self.compile_layout and self.untraceable:
+            compiled += f" (graph breaks at {describe_untraceable(self.untraceable)})"
+        parts.append(compiled)
         parts.append(f"fully_shard({'AC(block)' if self.fsdp_unit == 'wrapper' else 'block'})")
         parts.extend(f"{what} {choice}" for what, choice in self.kernels)
         return " | ".join(parts)
@@ -192,21 +201,48 @@ def nested_units(block: nn.Module, *, router_fp32: bool, separate_experts: bool)
 
 
 def resolve_layout(
-    *, compile_enabled: bool, layout: str, ac_mode: str, ac_outside_fsdp: bool, holds_nested_units: bool
+    *,
+    compile_enabled: bool,
+    layout: str,
+    ac_mode: str,
+    ac_outside_fsdp: bool,
+    holds_nested_units: bool,
+    untraceable: tuple[tuple[str, int], ...] = (),
+    fullgraph: bool = False,
+    path: str = "block",
 ) -> Layout | None:
     """The compile layout of one block (None: compile disabled).
 
     Without AC there is no checkpoint to be inside or outside of: the block is compiled whole (reported as
     compile_outer). ``auto``: ac_outer for blocks whose FSDP hooks run inside the checkpoint (nested units, or AC
-    outside the block's own fully_shard), compile_outer otherwise.
+    outside the block's own fully_shard) or that hold modules Dynamo will not trace, compile_outer otherwise.
+    An explicit compile_outer (or fullgraph) over untraceable modules is a ConfigError: it would run the block
+    eagerly (or fail at the first break), and validation cannot see modules a user put in the model.
     """
     if not compile_enabled:
         return None
+    if untraceable and fullgraph:
+        raise ConfigError(
+            ConfigIssue(
+                "compile.fullgraph",
+                f"true fails at the graph breaks in {path} ({describe_untraceable(untraceable)} are not traceable by "
+                "Dynamo); set compile.fullgraph=false",
+            )
+        )
     if ac_mode == "none":
         return "compile_outer"
+    if layout == "compile_outer" and untraceable:
+        raise ConfigError(
+            ConfigIssue(
+                "compile.layout",
+                f"compile_outer traces {path}'s checkpoint as one region, and its {describe_untraceable(untraceable)} "
+                "graph-break inside it, so Dynamo would run the whole block eagerly; use compile.layout=auto or "
+                "ac_outer (the rest of the block compiles around them)",
+            )
+        )
     if layout != "auto":
         return layout  # type: ignore[return-value]
-    return "ac_outer" if ac_outside_fsdp or holds_nested_units else "compile_outer"
+    return "ac_outer" if ac_outside_fsdp or holds_nested_units or untraceable else "compile_outer"
 
 
 def _attention_kernel(*, attention_backend: str, cp: int, cp_type: str) -> str:
@@ -293,12 +329,18 @@ def decide_plan(
         mixers = tuple(m.mixer_kind for m in sequence_mixers(block))
         _check_cp(mixers, cp=cp, cp_type=parallel.cp_type, path=path)
         units = nested_units(block, router_fp32=moe.router_dtype == "float32", separate_experts=moe.separate_fsdp_unit)
+        untraceable = untraceable_modules(
+            block, linear=backend.linear, rms_norm=backend.rms_norm, attention=attention_kernel
+        )
         layout = resolve_layout(
             compile_enabled=compile_enabled,
             layout=compile.layout,
             ac_mode=ac.mode,
             ac_outside_fsdp=ac_outside_fsdp,
             holds_nested_units=bool(units),
+            untraceable=untraceable,
+            fullgraph=compile.fullgraph,
+            path=path,
         )
         contexts = ((SAC_MODES,) if selective else ()) + (
             (FORWARD_THREAD_COMPILE,) if forward_thread and layout == "ac_outer" and ac.mode != "none" else ()
@@ -324,6 +366,7 @@ def decide_plan(
                     ep=ep,
                     dispatcher=backend.dispatcher,
                 ),
+                untraceable=untraceable,
             )
         )
     # Vision blocks: FSDP units, checkpointed with the mode's own context only; never compiled, never CP-sharded.

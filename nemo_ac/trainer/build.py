@@ -22,7 +22,7 @@ from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.data.sources import build_batches
 from nemo_ac.distributed.mesh import ParallelMeshes, build_meshes
 from nemo_ac.distributed.parallelize import parallelize
-from nemo_ac.distributed.plan import ParallelPlan
+from nemo_ac.distributed.plan import ParallelPlan, decide_plan
 from nemo_ac.models import build_model, model_dtype
 from nemo_ac.models.common.attention import choose_attention_kernel
 from nemo_ac.models.common.experts import choose_experts_impl
@@ -74,6 +74,27 @@ def choose_kernels(recipe: RecipeConfig, *, device: torch.device) -> tuple[Recip
     model = dataclasses.replace(recipe.model, moe=dataclasses.replace(moe, experts_impl=experts_impl))
     backend = dataclasses.replace(recipe.backend, attention=attention)
     return dataclasses.replace(recipe, model=model, backend=backend), kernels
+
+
+def plan_recipe(
+    recipe: RecipeConfig, layout: ParallelLayout, *, device_type: str, torch_version: str | None = None
+) -> ParallelPlan:
+    """The plan a run of ``recipe`` at ``layout`` on ``device_type`` would apply, from the model on meta (no process
+    group, no weights): what ``nemo-ac validate --plan`` prints. ``torch_version`` decides the workaround gates as if
+    that torch were running."""
+    recipe, _ = choose_kernels(recipe, device=torch.device(device_type))
+    return decide_plan(
+        build_model(recipe.model),
+        model_config=recipe.model,
+        parallel=recipe.parallel,
+        activation_checkpointing=recipe.activation_checkpointing,
+        compile=recipe.compile,
+        backend=recipe.backend,
+        ep=layout.ep,
+        cp=layout.cp,
+        device_type=device_type,
+        torch_version=torch_version,
+    )
 
 
 def build_parallel_model(

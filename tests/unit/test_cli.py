@@ -6,12 +6,23 @@ from pathlib import Path
 
 from nemo_ac.cli import main
 
-TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "qwen3_moe_tiny.yaml")
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+TINY = str(RECIPES / "tiny" / "qwen3_moe_tiny.yaml")
 
 
 def test_validate_ok(capsys):
     assert main(["validate", TINY, "--world-size", "2"]) == 0
     assert "OK at world size 2: dp_replicate 1 x dp_shard 2 x cp 1" in capsys.readouterr().out
+
+
+def test_validate_plan_prints_the_plan_of_the_flagship_without_a_gpu(capsys):
+    """The Nemotron recipe at 64 ranks: every TE block is AC(compile(block)), with its graph breaks named."""
+    assert main(["validate", str(RECIPES / "nemotron_super_v3_te_deepep.yaml"), "--world-size", "64", "--plan"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("plan | ep 64 (deepep)") and "backend.linear te | backend.rms_norm te" in lines[1]
+    blocks = [line for line in lines if "model.layers." in line]
+    assert len(blocks) == 3 and all("compile ac_outer (graph breaks at te.Linear x" in line for line in blocks)
+    assert sum(int(line.split(") |")[0].rsplit("(", 1)[1]) for line in blocks) == 88
 
 
 def test_validate_with_overrides_reports_every_problem(capsys):

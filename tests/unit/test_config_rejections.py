@@ -504,6 +504,26 @@ ROWS = [
     ),
     row(
         "check_compile",
+        [
+            "compile.enabled=true",
+            "compile.layout=compile_outer",
+            "model.moe.separate_fsdp_unit=false",
+            "backend.linear=te",
+        ],
+        "compile.layout",
+        r"compile_outer traces each block's checkpoint as one region, and the Transformer Engine modules that "
+        r"backend.linear: te put in every block are Dynamo-disabled, .* use compile.layout=auto",
+        id="compile_outer_te",
+    ),
+    row(
+        "check_compile",
+        ["compile.enabled=true", "compile.fullgraph=true", "model.moe.separate_fsdp_unit=false", "backend.rms_norm=te"],
+        "compile.fullgraph",
+        r"true fails at the first Transformer Engine module \(backend.rms_norm: te; .*set compile.fullgraph=false",
+        id="fullgraph_te",
+    ),
+    row(
+        "check_compile",
         ["compile.enabled=true", "compile.dynamic=false", "data.fixed_length=false", "compile.recompile_limit=4"],
         "compile.dynamic",
         r"false compiles once per sequence length; data.fixed_length=false gives 7 lengths, more than "

@@ -63,6 +63,32 @@ def _norm_classes() -> tuple[type, ...]:
     return (RMSNorm, NemotronHRMSNorm)
 
 
+def swaps_linear(module: nn.Module) -> bool:
+    """``backend.linear: te`` swaps exactly the plain ``nn.Linear`` modules of a block."""
+    return type(module) is nn.Linear
+
+
+def swaps_norm(module: nn.Module) -> bool:
+    """``backend.rms_norm: te`` swaps exactly the plain RMS norms (not Mamba's gated or zero-centered norms)."""
+    return type(module) in _norm_classes()
+
+
+def te_swap_counts(block: nn.Module, *, linear: str, rms_norm: str, attention: str) -> dict[str, int]:
+    """How many TE modules ``apply_te_backends`` will put into ``block``, by TE class, without importing TE.
+
+    The plan reads this before anything is applied: every TE module's forward is Dynamo-disabled (TE decorates its
+    modules' ``forward`` with ``no_torch_dynamo``, i.e. ``torch._dynamo.disable``), so the block's compile layout
+    must tolerate graph breaks at each of them (``nemo_ac.distributed.untraceable``).
+    """
+    modules = list(block.modules())
+    counts = {
+        "te.Linear": sum(swaps_linear(m) for m in modules) if linear == "te" else 0,
+        "te.RMSNorm": sum(swaps_norm(m) for m in modules) if rms_norm == "te" else 0,
+        "te.DotProductAttention": sum(isinstance(m, Attention) for m in modules) if attention == "te" else 0,
+    }
+    return {name: count for name, count in counts.items() if count}
+
+
 def _swap_children(block: nn.Module, build: Any) -> int:
     """Replace each descendant ``m`` of ``block`` for which ``build(m)`` returns a module; returns the count."""
     swapped = 0
@@ -130,7 +156,7 @@ def apply_te_backends(layers: nn.ModuleList, *, linear: str, rms_norm: str, atte
         te = import_te("backend.linear")
 
         def linear(child: nn.Module) -> nn.Module | None:
-            if type(child) is not nn.Linear:
+            if not swaps_linear(child):
                 return None
             return te.Linear(
                 child.in_features,
@@ -143,10 +169,9 @@ def apply_te_backends(layers: nn.ModuleList, *, linear: str, rms_norm: str, atte
         counts["linear"] = sum(_swap_children(block, linear) for block in layers)
     if rms_norm == "te":
         te = import_te("backend.rms_norm")
-        classes = _norm_classes()
 
         def norm(child: nn.Module) -> nn.Module | None:
-            if type(child) not in classes:
+            if not swaps_norm(child):
                 return None
             swapped = te.RMSNorm(
                 child.weight.shape[0], eps=child.eps, params_dtype=child.weight.dtype, device=child.weight.device
