@@ -251,6 +251,10 @@ class ActivationCheckpointingConfig:
     selective: SelectiveACConfig = field(default_factory=SelectiveACConfig)
     # Test/diagnostic switch: disable nemo_ac's SAC workarounds to observe the torch failure they prevent.
     workarounds: bool = True
+    # The recompute of a checkpointed MoE block reuses the forward's expert choice instead of routing again, so
+    # dispatch and split sizes in the recompute equal the forward's (nemo_ac/models/common/routing_replay.py).
+    # false re-routes in the recompute (only to observe the CheckpointError / wrong gradients that prevents).
+    replay_routing: bool = True
 
 
 @dataclass

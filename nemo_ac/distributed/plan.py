@@ -47,6 +47,7 @@ NestedUnit = Literal["router", "experts"]
 # Recompute contexts an AC wrapper composes (their order is the composition order).
 SAC_MODES = "selective"  # nemo_ac's SAC modes (pass FSDP hook ops and compiled regions through)
 FORWARD_THREAD_COMPILE = "forward_thread_compile"  # workarounds.forward_thread_compile_config
+ROUTING_REPLAY = "routing_replay"  # models.common.routing_replay: the recompute reuses the forward's expert choice
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class BlockPlan:
     mixers: kinds of its sequence mixers (``SequenceMixer.mixer_kind``), each swapped for its CP op when cp > 1.
     moe: the block has a routed MoE (experts sharded over EP, dispatcher swapped when ep > 1).
     nested_units: submodules fully_shard-ed on their own inside the block, in sharding order.
-    ac: none | full | selective. recompute_contexts: what its checkpoint composes (SAC_MODES, FORWARD_THREAD_COMPILE).
+    ac: none | full | selective. recompute_contexts: what its checkpoint composes (SAC_MODES, FORWARD_THREAD_COMPILE,
+        ROUTING_REPLAY).
     compile_layout: compile_outer = compile(AC(block)), ac_outer = AC(compile(block)), None = not compiled.
     offload: the block's saved activations go to host memory.
     fsdp_unit: ``wrapper`` = fully_shard(AC(block)) (torchtitan's layout), ``block`` = AC(fully_shard(block)).
@@ -245,6 +247,15 @@ def resolve_layout(
     return "ac_outer" if ac_outside_fsdp or holds_nested_units or untraceable else "compile_outer"
 
 
+def _replay_needed(ac_mode: str, layout: Layout | None) -> bool:
+    """Whether a checkpointed MoE block needs the routing-replay context: full AC always (compile(AC(block)) gets
+    its SAC-policy form); selective AC only where its policy cannot see the router, inside AC(compile(block))'s
+    compiled regions, which its modes recompute whole (the policy saves ``nemo_ac::select_experts`` elsewhere)."""
+    if ac_mode == "full":
+        return True
+    return ac_mode == "selective" and layout == "ac_outer"
+
+
 def _attention_kernel(*, attention_backend: str, cp: int, cp_type: str) -> str:
     return attention_backend if cp == 1 else f"{attention_backend}, {cp_type} cp{cp}"
 
@@ -342,8 +353,14 @@ def decide_plan(
             fullgraph=compile.fullgraph,
             path=path,
         )
-        contexts = ((SAC_MODES,) if selective else ()) + (
-            (FORWARD_THREAD_COMPILE,) if forward_thread and layout == "ac_outer" and ac.mode != "none" else ()
+        contexts = (
+            ((SAC_MODES,) if selective else ())
+            + ((FORWARD_THREAD_COMPILE,) if forward_thread and layout == "ac_outer" and ac.mode != "none" else ())
+            + (
+                (ROUTING_REPLAY,)
+                if ac.replay_routing and routed_moe(block) is not None and _replay_needed(ac.mode, layout)
+                else ()
+            )
         )
         decoder_plans.append(
             BlockPlan(

@@ -19,6 +19,7 @@ from nemo_ac.distributed.parallelize import parallelize
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
 from nemo_ac.models.common.attention import build_attention_inputs
+from nemo_ac.models.common.routing_replay import routing_replay_context
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
 from tests.launch import RECIPES
@@ -59,9 +60,10 @@ def test_other_layout_choices():
 def test_forward_thread_context_only_on_ac_outer_blocks():
     plan = plan_for(model_config())  # compile_outer, ac_outer, ac_outer
     contexts = [block_context_fns(b, plan=plan) for b in plan.decoder_blocks()]
-    assert contexts == [[], [forward_thread_compile_context], [forward_thread_compile_context]]
+    moe = [forward_thread_compile_context, routing_replay_context]  # full AC's MoE blocks also replay routing
+    assert contexts == [[], moe, moe]
     off = plan_for(model_config(), CompileConfig(enabled=True, forward_thread_context=False))
-    assert [block_context_fns(b, plan=off) for b in off.decoder_blocks()] == [[], [], []]
+    assert [block_context_fns(b, plan=off) for b in off.decoder_blocks()] == [[], *[[routing_replay_context]] * 2]
 
 
 def test_blocks_are_compiled_in_place_and_keep_their_parameter_names():

@@ -144,8 +144,9 @@ def test_selective_saves_less_than_none_and_recomputes_less_than_full():
     # saved tensor for none.
     assert full["saved_bytes"] == B * S * CFG.hidden_size * 4
     assert 0 < sel["saved_bytes"] < sel_all["saved_bytes"] < none["saved_bytes"]
-    # The router's choice (top-k) and the expert-ordering sort are cached: routing is replayed, not recomputed.
-    assert {"aten.topk.default", "aten.sort.stable"} <= sel["cached_ops"], sel["cached_ops"]
+    # The router's choice (one op, nemo_ac::select_experts) and the expert-ordering sort are cached: routing is
+    # replayed, not recomputed.
+    assert {"nemo_ac.select_experts.default", "aten.sort.stable"} <= sel["cached_ops"], sel["cached_ops"]
     assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in sel["cached_ops"]
     for mode in ("full", "selective", "selective_all_mm"):
         for name, grad in none["grads"].items():

@@ -17,6 +17,7 @@ from nemo_ac.distributed import activation_checkpointing as ac
 from nemo_ac.distributed.activation_checkpointing import PolicyRules, SelectivePolicy
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
+from nemo_ac.models.common.routing_replay import routing_replay_context
 
 # Every test runs on a private copy of torch's SAC_IGNORED_OPS (the real set stays untouched).
 pytestmark = pytest.mark.usefixtures("private_sac_ignored_ops")
@@ -176,8 +177,10 @@ def test_apply_ac_wraps_blocks_per_mode(mode):
     layers = model.model.layers
     wrapped = [hasattr(layer, "_checkpoint_wrapped_module") for layer in layers]
     assert wrapped == [mode != "none"] * 2
-    if mode == "full":  # full AC of an uncompiled block composes no recompute context
-        assert "context_fn" not in layers[0].checkpoint_fn.keywords
+    if mode == "full":  # full AC of an uncompiled MoE block composes routing replay alone
+        assert plan.decoder_blocks()[0].recompute_contexts == ("routing_replay",)
+        forward, recompute = layers[0].checkpoint_fn.keywords["context_fn"]()
+        assert (type(forward), type(recompute)) == (type(routing_replay_context()[0]),) * 2
     if mode == "selective":
         forward, recompute = layers[0].checkpoint_fn.keywords["context_fn"]()
         assert isinstance(forward, contextlib.AbstractContextManager)

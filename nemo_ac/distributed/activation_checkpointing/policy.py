@@ -1,8 +1,9 @@
 """The selective-AC policy: what a region saves and what it recomputes.
 
 Saved: compute-intensive ops from torch's partitioner list (attention, convolution, ...), every other matmul
-(torchtitan's policy; ``selective.save_every_other_mm: false`` saves all); router top-k / sort outputs, so the
-recompute routes every token to the same experts (with ``tokens_per_expert.tolist()`` in the experts loop a
+(torchtitan's policy; ``selective.save_every_other_mm: false`` saves all); router top-k / sort outputs and the
+router's ``nemo_ac::select_experts`` (``models.common.routing_replay``, which also covers full AC and compiled
+regions), so the recompute routes every token to the same experts (with ``tokens_per_expert.tolist()`` in the experts loop a
 different routing would change the op stream itself); outputs of functional collectives (all-to-all,
 reduce-scatter, all-gather; DeepEP dispatch/combine when those ops are registered), so the recompute does not
 communicate again. Never saved: an op that mutates an input (``aten.copy_``, ``scatter_``, FSDP's copy-out):
@@ -25,6 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.diagnostics.sac_explain import DecisionLog
 from nemo_ac.models.common import packed_attention as _registers_packed_attention_op  # noqa: F401
+from nemo_ac.models.common import routing_replay as _registers_select_experts_op  # noqa: F401
 from nemo_ac.workarounds import grouped_mm_fake_rule as _registers_grouped_mm_op  # noqa: F401  (torch.ops.nemo_ac)
 
 
@@ -59,7 +61,7 @@ _ATTENTION = (
     "aten::_efficient_attention_forward",
     "nemo_ac::packed_attention",  # the tiled packed-document op: saved whole, the recompute never reruns it
 )
-_ROUTER = ("aten::topk", "aten::sort")
+_ROUTER = ("aten::topk", "aten::sort", "nemo_ac::select_experts")  # the last: models.common.routing_replay
 _COMMUNICATION = (
     "_c10d_functional::all_to_all_single",
     "_c10d_functional::reduce_scatter_tensor",

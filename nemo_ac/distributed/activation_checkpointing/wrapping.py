@@ -2,8 +2,9 @@
 
 Blocks are wrapped with torch's non-reentrant ``checkpoint_wrapper`` (DCP and HF export strip its
 ``_checkpoint_wrapped_module`` prefix, so checkpoint keys keep the HF names). Each wrapper's ``context_fn`` composes
-the recompute contexts the block's plan names: the SAC modes (selective) and the forward-thread compile context
-(AC(compile(block)) blocks, ``workarounds.forward_thread_compile_config``).
+the recompute contexts the block's plan names: the SAC modes (selective), the forward-thread compile context
+(AC(compile(block)) blocks, ``workarounds.forward_thread_compile_config``) and routing replay (MoE blocks,
+``models.common.routing_replay``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from nemo_ac.distributed.activation_checkpointing.contexts import (
     make_selective_checkpoint_context_fn,
 )
 from nemo_ac.distributed.blocks import decoder_layers, vision_blocks
-from nemo_ac.distributed.plan import FORWARD_THREAD_COMPILE, SAC_MODES, BlockPlan, ParallelPlan
+from nemo_ac.distributed.plan import FORWARD_THREAD_COMPILE, ROUTING_REPLAY, SAC_MODES, BlockPlan, ParallelPlan
+from nemo_ac.models.common.routing_replay import routing_replay_context
 from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
 from nemo_ac.workarounds.fsdp_hooks_in_sac import install_fsdp_hooks_outside_sac
 
@@ -51,6 +53,8 @@ def block_context_fns(block_plan: BlockPlan, *, plan: ParallelPlan) -> list[Cont
             )
         elif name == FORWARD_THREAD_COMPILE:
             contexts.append(forward_thread_compile_context)
+        elif name == ROUTING_REPLAY:
+            contexts.append(routing_replay_context)
         else:
             raise ValueError(f"{block_plan.path}: unknown recompute context {name!r}")
     return contexts

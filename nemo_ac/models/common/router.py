@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nemo_ac.config.schema import MoEConfig
+from nemo_ac.models.common.routing_replay import select_experts
 
 
 class TopKRouter(nn.Module):
@@ -88,22 +89,6 @@ class TopKRouter(nn.Module):
             return F.linear(x.to(torch.float32), self.weight.to(torch.float32))
         return F.linear(x, self.weight.to(x.dtype)).to(torch.float32)
 
-    def _select(self, scores: torch.Tensor) -> torch.Tensor:
-        """Expert indices [T, k] chosen on (bias-corrected) scores, restricted to the best groups if grouped."""
-        choice = scores
-        if self.e_score_correction_bias is not None:
-            choice = choice + self.e_score_correction_bias.to(choice.dtype)
-        if self.n_group > 1:
-            t = choice.shape[0]
-            grouped = choice.view(t, self.n_group, self.num_experts // self.n_group)
-            k_in_group = min(2, grouped.shape[-1])
-            group_scores = grouped.topk(k_in_group, dim=-1).values.sum(-1)
-            group_idx = group_scores.topk(self.topk_group, dim=-1).indices
-            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-            keep = group_mask.unsqueeze(-1).expand_as(grouped).reshape(t, self.num_experts)
-            choice = choice.masked_fill(~keep, float("-inf"))
-        return choice.topk(self.top_k, dim=-1).indices
-
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = self.logits(x.reshape(-1, self.hidden_size))
         if self.score_func == "softmax":
@@ -112,8 +97,14 @@ class TopKRouter(nn.Module):
         else:
             scores = logits.sigmoid()
             probs = scores / scores.sum(dim=-1, keepdim=True)
-        with torch.no_grad():
-            top_idx = self._select(scores.detach())
+        # One op (no gradient): recorded in a checkpoint's forward, replayed in its recompute (routing_replay).
+        top_idx = select_experts(
+            scores,
+            self.e_score_correction_bias,
+            top_k=self.top_k,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+        )
         top_scores = scores.gather(1, top_idx)
         if self.norm_topk_prob:
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
