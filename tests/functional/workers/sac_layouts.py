@@ -1,18 +1,18 @@
-"""torchrun worker (2 gloo ranks): SAC under every FSDP2 layout, one launch, many cells.
+"""torchrun worker (4 gloo ranks): SAC under every FSDP2 layout, one launch, many cells.
 
 Each cell builds the tiny Qwen3-MoE recipe fresh through the production path (``parallelize`` ->
-``materialize_and_init`` -> ``nemo_ac.trainer.build.build_trainer``), trains ``train.steps`` steps and reports losses, or the error it raised.
-Rank 0 writes ``{"cells": [...]}`` as JSON to ``argv[1]``. Cell groups (``argv[2]``, comma separated):
+``materialize_and_init`` -> ``nemo_ac.trainer.build.build_trainer``), trains ``train.steps`` steps and reports losses
+and, against the no-AC reference of its EP size and dtype, the largest difference over every parameter's gradient
+after step 1 (``tests.parity``), or the error it raised. Rank 0 writes ``{"cells": [...]}`` as JSON to ``argv[1]``.
+Cell groups (``argv[2]``, comma separated):
 
 - ``regression``: explicit prefetch with the workarounds off / with only the profiler-op ignore / on;
 - ``matrix``: {placement inside, outside} x {forward prefetch none, explicit} x {backward prefetch default,
-  explicit} x {EP-style all-to-all in the block off, on} x {fp32, bf16 params} in selective mode, plus the no-AC
-  references and full AC.
+  explicit} x {ep 1, 2} x {fp32, bf16 params} in selective mode, plus the no-AC references and full AC.
 
-The EP-style axis uses a test-local dispatcher: the local sort, then a differentiable ``all_to_all_single`` that
-sends half of the expert rows to the peer and a second one that sends them back, in dispatch and again in combine
-(the real dispatcher is covered by tests/functional/test_ep_cp_parity.py; what matters here is a collective inside the
-checkpointed region).
+ep 2 is the real expert-parallel dispatcher (``all_to_all_single`` with uneven splits inside the checkpointed
+block) over 2 of the 4 ranks, the experts' FSDP unit sharded over the other 2 (ep_shard 2); dense weights are
+sharded over all 4.
 """
 
 from __future__ import annotations
@@ -25,49 +25,25 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.utils import checkpoint as torch_checkpoint
 
 from nemo_ac.config import load_recipe, validate_recipe
 from nemo_ac.config.schema import DistConfig
 from nemo_ac.data.loader import SyntheticBatches
-from nemo_ac.distributed.blocks import decoder_layers
 from nemo_ac.distributed.env import destroy_distributed, exit_process, init_distributed
 from nemo_ac.distributed.mesh import build_meshes
 from nemo_ac.distributed.parallelize import parallelize
 from nemo_ac.models import build_model
-from nemo_ac.models.common.dispatch import LocalDispatcher
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.trainer.build import TrainingSetup, build_trainer, quiet_logger
 from nemo_ac.trainer.optim import build_optimizer, build_scheduler
 from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored
+from tests.parity import gradient_snapshot, max_gradient_difference
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
 # 2 steps of 2 micro batches per rank; seq_len 96 differs from every model dimension (64, 16, 32, 4).
 BASE = ["train.steps=2", "train.warmup_steps=1", "train.global_batch_size=8", "train.micro_batch_size=2"]
-
-
-def _round_trip(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Half of the rows to the peer and back: two differentiable all-to-alls, identity overall."""
-    n = rows.shape[0]
-    splits = [n // 2, n - n // 2]
-    there = funcol.all_to_all_single_autograd(rows.contiguous(), splits, splits, group)
-    return funcol.all_to_all_single_autograd(there * 1.0, splits, splits, group)
-
-
-class RoundTripAllToAllDispatcher(LocalDispatcher):
-    """LocalDispatcher with an all-to-all round trip in dispatch and in combine (inside the checkpointed block)."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-
-    def dispatch(self, hidden, top_idx, num_experts, *args, **kwargs):
-        rows, tokens_per_expert, ctx = super().dispatch(hidden, top_idx, num_experts, *args, **kwargs)
-        return _round_trip(rows, self.group), tokens_per_expert, ctx
-
-    def combine(self, expert_out, top_scores, ctx):
-        return super().combine(_round_trip(expert_out, self.group), top_scores, ctx)
 
 
 _MESHES: dict = {}
@@ -80,20 +56,20 @@ def _meshes(layout):
     return _MESHES[layout]
 
 
-def train_cell(name: str, overrides: list[str], *, a2a: bool = False, profiler_only: bool = False) -> dict:
+# (ep, dtype) -> every parameter's gradient after step 1 of the no-AC reference
+_REFERENCE_GRADS: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+
+
+def train_cell(name: str, overrides: list[str], *, ep: int = 1, profiler_only: bool = False) -> dict:
     """Train one layout from scratch; never raises (errors are part of the result)."""
     ignored_before = set(torch_checkpoint.SAC_IGNORED_OPS)
-    result: dict = {"name": name, "overrides": overrides, "a2a": a2a, "profiler_only": profiler_only}
+    result: dict = {"name": name, "overrides": overrides, "ep": ep, "profiler_only": profiler_only}
     try:
-        recipe = load_recipe(str(RECIPE), [*BASE, *overrides])
+        recipe = load_recipe(str(RECIPE), [*BASE, f"parallel.ep={ep}", *overrides])
         layout = validate_recipe(recipe, world_size=dist.get_world_size())
         meshes = _meshes(layout)
         torch.manual_seed(recipe.train.seed)
         model = build_model(recipe.model)
-        if a2a:
-            for block in decoder_layers(model):
-                if (moe := block.routed_moe()) is not None:
-                    moe.set_dispatcher(RoundTripAllToAllDispatcher(dist.group.WORLD))
         plan = parallelize(
             model,
             meshes=meshes,
@@ -129,8 +105,22 @@ def train_cell(name: str, overrides: list[str], *, a2a: bool = False, profiler_o
             frozen={},
         )
         trainer = build_trainer(setup, logger=quiet_logger(recipe))
+        grads: dict[str, torch.Tensor] = {}
+        real_step = optimizer.step
+
+        def step(*args, **kwargs):
+            if not grads:
+                grads.update(gradient_snapshot(model))
+            return real_step(*args, **kwargs)
+
+        optimizer.step = step
         history = trainer.fit()
         result.update(ok=True, losses=[m.loss for m in history], grad_norms=[m.grad_norm for m in history])
+        key = (ep, recipe.parallel.fsdp.param_dtype)
+        if recipe.activation_checkpointing.mode == "none":
+            _REFERENCE_GRADS[key] = grads
+        elif key in _REFERENCE_GRADS:
+            result["max_grad_diff"] = max_gradient_difference(grads, _REFERENCE_GRADS[key])
     except Exception as exc:  # the regression cells expect the SAC error
         cause = exc.__cause__
         result.update(
@@ -166,19 +156,19 @@ def regression_cells() -> list[dict]:
 
 def matrix_cells() -> list[dict]:
     cells = []
-    for a2a, dtype in itertools.product((False, True), ("float32", "bfloat16")):
+    for ep, dtype in itertools.product((1, 2), ("float32", "bfloat16")):
         cells.append(
             train_cell(
-                f"reference/a2a={a2a}/{dtype}",
+                f"reference/ep={ep}/{dtype}",
                 ["activation_checkpointing.mode=none", f"parallel.fsdp.param_dtype={dtype}"],
-                a2a=a2a,
+                ep=ep,
             )
             | {"kind": "reference", "dtype": dtype, "mode": "none"}
         )
     axes = itertools.product(
-        ("inside", "outside"), ("none", "explicit"), ("default", "explicit"), (False, True), ("float32", "bfloat16")
+        ("inside", "outside"), ("none", "explicit"), ("default", "explicit"), (1, 2), ("float32", "bfloat16")
     )
-    for placement, forward, backward, a2a, dtype in axes:
+    for placement, forward, backward, ep, dtype in axes:
         overrides = [
             "activation_checkpointing.mode=selective",
             f"activation_checkpointing.placement={placement}",
@@ -186,8 +176,8 @@ def matrix_cells() -> list[dict]:
             f"parallel.fsdp.backward_prefetch={backward}",
             f"parallel.fsdp.param_dtype={dtype}",
         ]
-        name = f"selective/{placement}/fwd={forward}/bwd={backward}/a2a={a2a}/{dtype}"
-        cells.append(train_cell(name, overrides, a2a=a2a) | {"kind": "selective", "dtype": dtype})
+        name = f"selective/{placement}/fwd={forward}/bwd={backward}/ep={ep}/{dtype}"
+        cells.append(train_cell(name, overrides, ep=ep) | {"kind": "selective", "dtype": dtype})
     for placement in ("inside", "outside"):
         overrides = [
             "activation_checkpointing.mode=full",
@@ -195,9 +185,7 @@ def matrix_cells() -> list[dict]:
             "parallel.fsdp.forward_prefetch=explicit",
             "parallel.fsdp.backward_prefetch=explicit",
         ]
-        cells.append(
-            train_cell(f"full/{placement}/explicit", overrides, a2a=True) | {"kind": "full", "dtype": "float32"}
-        )
+        cells.append(train_cell(f"full/{placement}/explicit", overrides, ep=2) | {"kind": "full", "dtype": "float32"})
     # The recompute on another thread (what CUDA's autograd device thread does): the FSDP brackets are per thread.
     threaded = [
         "activation_checkpointing.mode=selective",
@@ -207,7 +195,7 @@ def matrix_cells() -> list[dict]:
         "train.backward_on_thread=true",
     ]
     cells.append(
-        train_cell("selective/outside/explicit/backward_thread", threaded, a2a=True)
+        train_cell("selective/outside/explicit/backward_thread", threaded, ep=2)
         | {"kind": "selective", "dtype": "float32"}
     )
     return cells
