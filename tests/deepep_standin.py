@@ -5,8 +5,8 @@ against ``backend.dispatcher: torch``, and how often a recompute communicates. I
 speed or memory; those need a multi-GPU run with the real library.
 
 What it relies on (DeepEP at github.com/deepseek-ai/DeepEP: ``deep_ep/buffer.py`` at tag v1.2.1, the same class as
-``deep_ep/buffers/legacy.py`` at 2.1.0; its test ``tests/legacy/test_intranode.py``; the intranode kernels in
-``csrc/kernels/legacy/intranode.cu``):
+``deep_ep/buffers/legacy.py`` at 2.1.0; its test ``tests/test_intranode.py``, ``tests/legacy/`` in 2.1.0; the
+intranode kernels in ``csrc/kernels/intranode.cu``, ``csrc/kernels/legacy/`` in 2.1.0):
 
 - ``get_dispatch_layout(topk_idx, num_experts)`` -> ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank
   (None within a node, [R / 8] int32 across nodes), num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool,
@@ -25,8 +25,8 @@ What it relies on (DeepEP at github.com/deepseek-ai/DeepEP: ``deep_ep/buffer.py`
   ``is_token_in_rank.sum(1)``), accumulated in fp32 in rank order and cast to ``x``'s dtype (the kernel's reduce
   loop); ``topk_weights`` are summed the same way (None in, None out).
 - ``get_dispatch_config(num_ranks)`` / ``get_combine_config(num_ranks)``: a config only for the rank counts DeepEP
-  tabulates (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160), an AssertionError otherwise; the configs give buffer
-  size hints.
+  tabulates (2.1.0: 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160; v1.2.1 lacks 48 and 96), an AssertionError
+  otherwise; the configs give buffer size hints.
 
 Deliberate differences: any floating dtype (DeepEP: bf16 tokens, fp8 optional for dispatch), so tests can compare in
 fp32 exactly; one rank is accepted too (DeepEP has no 1-rank config), so single-process tests can trace the ops;
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# The rank counts DeepEP's Buffer.get_dispatch_config / get_combine_config have a config for.
+# The rank counts DeepEP's Buffer.get_dispatch_config / get_combine_config have a config for (2.1.0's table).
 DEEPEP_CONFIG_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
 _NVL_PEERS = 8  # DeepEP's internode split: 8 NVLink peers per node
 

@@ -5,9 +5,10 @@ any process group starts. The install line lives here too, so every error that n
 DeepEP's high-throughput kernels (the ``deep_ep.Buffer`` dispatch / combine nemo_ac calls), as DeepEP defines them:
 
 - ranks: intranode (NVLink) kernels are compiled for 2, 4 or 8 ranks in one node; internode kernels (RDMA through
-  NVSHMEM) for 8 GPUs per node times 2, 3, 4, 6, 8, 12, 16, 18 or 20 nodes (``SWITCH_RANKS`` /
-  ``SWITCH_RDMA_RANKS`` in csrc/kernels/launch.cuh; ``Buffer.get_dispatch_config`` has a config for exactly these
-  sizes and asserts on any other);
+  NVSHMEM) for 8 GPUs per node times 2, 4, 8, 16, 18 or 20 nodes, and in DeepEP 2.x also 3, 6 or 12 nodes
+  (``SWITCH_RANKS`` / ``SWITCH_RDMA_RANKS`` in csrc/kernels/launch.cuh at v1.2.1, csrc/kernels/legacy/launch.cuh at
+  2.1.0; any other size fails an assert at the first dispatch, ``Buffer.get_dispatch_config`` has no config for it).
+  The rule accepts what either release runs; the message says which sizes need 2.x;
 - dtypes: combine's kernel is compiled for bfloat16 tokens only (``SWITCH_TYPES``), and the backward of dispatch is a
   combine, so the tokens (the compute dtype, ``parallel.fsdp.param_dtype``) must be bfloat16; router weights travel
   as float32 (the adapter casts them). Dispatch could also take fp8, which nemo_ac does not use;
@@ -23,8 +24,9 @@ from nemo_ac.config.schema import RecipeConfig
 
 INTRANODE_EP_SIZES = (2, 4, 8)
 GPUS_PER_NODE = 8  # DeepEP's internode kernels assume 8 NVLink peers per node
-INTERNODE_EP_SIZES = tuple(GPUS_PER_NODE * nodes for nodes in (2, 3, 4, 6, 8, 12, 16, 18, 20))
-SUPPORTED_EP_SIZES = INTRANODE_EP_SIZES + INTERNODE_EP_SIZES
+INTERNODE_EP_SIZES = tuple(GPUS_PER_NODE * nodes for nodes in (2, 4, 8, 16, 18, 20))
+INTERNODE_EP_SIZES_V2 = tuple(GPUS_PER_NODE * nodes for nodes in (3, 6, 12))  # DeepEP 2.x only
+SUPPORTED_EP_SIZES = INTRANODE_EP_SIZES + INTERNODE_EP_SIZES + INTERNODE_EP_SIZES_V2
 
 DEEPEP_INSTALL = (
     "DeepEP is built from source against NVSHMEM, it is no pip extra of nemo_ac (the PyPI 'deep-ep' package fails to "
@@ -35,12 +37,14 @@ DEEPEP_INSTALL = (
 
 
 def _unsupported_ep_size(ep: int) -> str:
-    intranode = ", ".join(map(str, INTRANODE_EP_SIZES))
-    internode = ", ".join(map(str, INTERNODE_EP_SIZES))
+    def listed(sizes: tuple[int, ...]) -> str:
+        return ", ".join(map(str, sizes))
+
     return (
-        f"{ep} is not an expert-parallel size DeepEP's kernels support: {intranode} ranks within one NVLink node, or "
-        f"{internode} across nodes of {GPUS_PER_NODE} GPUs (RDMA, DeepEP built with NVSHMEM); set parallel.ep to one "
-        "of those, or backend.dispatcher: torch"
+        f"{ep} is not an expert-parallel size DeepEP's kernels support: {listed(INTRANODE_EP_SIZES)} ranks within one "
+        f"NVLink node, or {listed(INTERNODE_EP_SIZES)} across nodes of {GPUS_PER_NODE} GPUs (RDMA, DeepEP built with "
+        f"NVSHMEM; also {listed(INTERNODE_EP_SIZES_V2)} with DeepEP 2.x); set parallel.ep to one of those, or "
+        "backend.dispatcher: torch"
     )
 
 

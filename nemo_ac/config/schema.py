@@ -178,9 +178,9 @@ class BackendConfig:
     linear: Literal["torch", "te"] = "torch"  # the decoder blocks' nn.Linear, or te.Linear (CUDA, nemo_ac[te])
     rms_norm: Literal["torch", "te"] = "torch"  # the decoder blocks' RMSNorms, or te.RMSNorm (CUDA, nemo_ac[te])
     # Expert-parallel token exchange: torch = all_to_all_single with uneven splits; deepep = DeepEP's Buffer kernels
-    # as custom ops that selective AC saves (CUDA only; parallel.ep 2, 4, 8 in a node or 16, 24, 32, 48, 64, 96, 128,
-    # 144, 160 across nodes; parallel.fsdp.param_dtype bfloat16; DeepEP built from source, README "The DeepEP
-    # backend").
+    # as custom ops that selective AC saves (CUDA only; parallel.ep 2, 4, 8 in a node or 16, 32, 64, 128, 144, 160
+    # across nodes, also 24, 48, 96 with DeepEP 2.x; parallel.fsdp.param_dtype bfloat16; DeepEP built from source,
+    # README "The DeepEP backend").
     dispatcher: Literal["torch", "deepep"] = "torch"
 
 

@@ -556,9 +556,9 @@ ROWS = [
         "check_deepep",
         ["backend.dispatcher=deepep", "parallel.ep=3", "parallel.fsdp.param_dtype=bfloat16"],
         "parallel.ep",
-        r"3 is not an expert-parallel size DeepEP's kernels support: 2, 4, 8 ranks within one NVLink node, or 16, 24, "
-        r"32, 48, 64, 96, 128, 144, 160 across nodes of 8 GPUs \(RDMA, DeepEP built with NVSHMEM\); set parallel.ep to "
-        r"one of those, or backend.dispatcher: torch",
+        r"3 is not an expert-parallel size DeepEP's kernels support: 2, 4, 8 ranks within one NVLink node, or 16, 32, "
+        r"64, 128, 144, 160 across nodes of 8 GPUs \(RDMA, DeepEP built with NVSHMEM; also 24, 48, 96 with DeepEP "
+        r"2.x\); set parallel.ep to one of those, or backend.dispatcher: torch",
         world_size=3,
     ),
     row(
