@@ -1,15 +1,16 @@
 """Optional extras and devices a recipe needs: checked before ``init_process_group`` by the trainer and on demand by
-``nemo-ac validate --check-env``. A missing extra fails with the key and the ``pip install`` line."""
+``nemo-ac validate --check-env``. A missing extra fails with the key and the ``pip install`` line (DeepEP, which no
+pip extra installs: the key and how to build it, ``config.deepep``)."""
 
 from __future__ import annotations
 
 import importlib.util
 
+from nemo_ac.config.deepep import deepep_environment_issues
 from nemo_ac.config.errors import ConfigIssue
 from nemo_ac.config.schema import RecipeConfig
 
 _EXTRAS = {
-    ("backend.dispatcher", "deepep"): ("deep_ep", "deepep"),
     ("backend.attention", "te"): ("transformer_engine", "te"),
     ("backend.linear", "te"): ("transformer_engine", "te"),
     ("backend.rms_norm", "te"): ("transformer_engine", "te"),
@@ -20,7 +21,6 @@ def check_environment(recipe: RecipeConfig, *, cuda_available: bool | None = Non
     """Optional extras and devices the recipe needs but this machine lacks (empty list: all present)."""
     issues = []
     values = {
-        "backend.dispatcher": recipe.backend.dispatcher,
         "backend.attention": recipe.backend.attention,
         "backend.linear": recipe.backend.linear,
         "backend.rms_norm": recipe.backend.rms_norm,
@@ -47,12 +47,13 @@ def check_environment(recipe: RecipeConfig, *, cuda_available: bool | None = Non
                 "use backend.attention: tiled (or auto) here",
             )
         )
-    needs_cuda = values["backend.dispatcher"] == "deepep" or "te" in values.values() or recipe.dist.backend == "nccl"
+    issues += deepep_environment_issues(recipe, cuda_available=cuda_available)  # deep_ep and a GPU
+    needs_cuda = "te" in values.values() or recipe.dist.backend == "nccl"
     if needs_cuda and cuda_available is False:
         issues.append(
             ConfigIssue(
                 "backend" if recipe.dist.backend != "nccl" else "dist.backend",
-                "this recipe needs CUDA (deepep / te / nccl) but no GPU is visible",
+                "this recipe needs CUDA (te / nccl) but no GPU is visible",
             )
         )
     return issues

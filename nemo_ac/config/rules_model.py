@@ -41,14 +41,6 @@ def check_experts(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
         )
     elif not 1 <= moe.topk_group <= moe.n_group:
         issues.append(ConfigIssue("model.moe.topk_group", f"{moe.topk_group} must be between 1 and n_group"))
-    if recipe.parallel.ep == 1 and recipe.backend.dispatcher == "deepep":
-        issues.append(
-            ConfigIssue(
-                "backend.dispatcher",
-                "deepep moves tokens between expert-parallel ranks but parallel.ep is 1; set parallel.ep > 1 or "
-                "backend.dispatcher: torch",
-            )
-        )
     if moe.bias_update_rate < 0:
         issues.append(
             ConfigIssue("model.moe.bias_update_rate", f"must be >= 0 (0 disables), got {moe.bias_update_rate}")

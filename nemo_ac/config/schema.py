@@ -166,7 +166,7 @@ class ModelConfig:
 
 @dataclass
 class BackendConfig:
-    """Kernel backends. te / deepep need their optional extras and CUDA."""
+    """Kernel backends. te needs its optional extra and CUDA; deepep needs DeepEP built from source and CUDA."""
 
     # Attention core over packed rows. tiled = nemo_ac's tiled custom op: no [S, S] tensor, only tiles holding
     # visible (same-document, causal) pairs computed, runs everywhere; flex = FlexAttention with a document block
@@ -178,7 +178,9 @@ class BackendConfig:
     linear: Literal["torch", "te"] = "torch"  # the decoder blocks' nn.Linear, or te.Linear (CUDA, nemo_ac[te])
     rms_norm: Literal["torch", "te"] = "torch"  # the decoder blocks' RMSNorms, or te.RMSNorm (CUDA, nemo_ac[te])
     # Expert-parallel token exchange: torch = all_to_all_single with uneven splits; deepep = DeepEP's Buffer kernels
-    # (CUDA only, needs parallel.ep > 1 and nemo_ac[deepep]).
+    # as custom ops that selective AC saves (CUDA only; parallel.ep 2, 4, 8 in a node or 16, 32, 64, 128, 144, 160
+    # across nodes, also 24, 48, 96 with DeepEP 2.x; parallel.fsdp.param_dtype bfloat16; DeepEP built from source,
+    # README "The DeepEP backend").
     dispatcher: Literal["torch", "deepep"] = "torch"
 
 

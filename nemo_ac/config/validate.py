@@ -2,8 +2,8 @@
 
 Each rule is a small function ``rule(recipe, world_size) -> list[ConfigIssue]`` in ``RULES``; every message names
 the key, the bad value and what would work. ``validate_recipe`` runs them all and resolves the parallel layout.
-The model and data rules live in ``rules_model``; ``environment.check_environment`` separately verifies that the
-optional extras a recipe asks for are importable.
+The model and data rules live in ``rules_model``, DeepEP's in ``deepep``; ``environment.check_environment``
+separately verifies that the optional extras a recipe asks for are importable.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nemo_ac.config.deepep import check_deepep
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.config.rules_model import (
     check_data,
@@ -384,14 +385,12 @@ def check_compile(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
 
 
 def check_dist(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
-    d, b = recipe.dist, recipe.backend
+    d = recipe.dist
     issues = []
     if d.backend == "nccl" and d.device == "cpu":
         issues.append(ConfigIssue("dist.backend", "nccl needs CUDA devices; use gloo (or auto) with dist.device=cpu"))
     if d.timeout_s < 1:
         issues.append(ConfigIssue("dist.timeout_s", f"must be >= 1, got {d.timeout_s}"))
-    if b.dispatcher == "deepep" and d.device == "cpu":
-        issues.append(ConfigIssue("backend.dispatcher", "deepep runs on CUDA only; use dispatcher: torch on CPU"))
     return issues
 
 
@@ -421,6 +420,7 @@ RULES: list[Rule] = [
     check_compile,
     check_freeze,
     check_dist,
+    check_deepep,
     check_checkpoint,
 ]
 

@@ -1,14 +1,17 @@
-"""``backend.dispatcher: deepep``: DeepEP's fused all-to-all kernels (CUDA, NVLink/RDMA), imported lazily.
+"""``backend.dispatcher: deepep``: DeepEP's fused all-to-all kernels (CUDA, NVLink within a node, RDMA across).
 
-Written against DeepEP's public ``deep_ep.Buffer`` API (``get_dispatch_layout`` / ``dispatch`` / ``combine`` with a
-``handle``; ``combine`` of gradients is the backward of ``dispatch`` and vice versa). DeepEP sends each token once
-per destination rank (not once per expert), with its top-k ids rewritten to local expert ids (-1: not here) and
-its router weights; so the router weights are applied on the expert side, before the tokens go home, and their
-gradient comes back through ``combine(..., topk_weights=)``. That is why ``MoE`` passes ``top_scores`` to
-``dispatch``.
+Written against DeepEP's public ``deep_ep.Buffer`` API (the V1 "normal" kernels, kept as ``Buffer`` in V2):
+``get_dispatch_layout`` / ``dispatch`` / ``combine`` with a ``handle``. DeepEP sends each token once per destination
+rank (not once per expert), with its top-k ids rewritten to local expert ids (-1: not here) and its router weights
+(0 where -1); so the router weights are applied on the expert side, before the tokens go home, and their gradient
+comes back through ``combine(..., topk_weights=)``. That is why ``MoE`` passes ``top_scores`` to ``dispatch``.
 
-Not testable on CPU machines: CI only checks that asking for it without ``deep_ep`` or without CUDA fails with the
-recipe key and the install line. Parity of this path against ``backend.dispatcher: torch`` needs a multi-GPU run.
+The communication runs in the ``nemo_ac::deepep_*`` custom ops (``deepep_ops``: what selective AC saves, how the
+handle travels); this module sizes the buffers and does the expert-side permutation and weighting.
+
+The Buffer implementation is a constructor argument (``buffer_cls``): ``deep_ep.Buffer`` by default, imported
+lazily with the CUDA check; the tests pass ``tests/deepep_standin.GlooDeepEPBufferStandIn``, which implements
+Buffer's documented semantics over gloo, to check this adapter against ``backend.dispatcher: torch`` on CPU.
 """
 
 from __future__ import annotations
@@ -19,107 +22,113 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nemo_ac.config.deepep import DEEPEP_INSTALL
 from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.distributed import deepep_ops
 from nemo_ac.models.common.dispatch import permute_tokens, sort_by_expert
-
-_INSTALL_HINT = "pip install 'nemo_ac[deepep]' on a CUDA machine, or set backend.dispatcher: torch"
 
 
 def import_deep_ep() -> Any:
-    """The ``deep_ep`` module, or a ConfigError naming ``backend.dispatcher`` and the install extra."""
+    """The ``deep_ep`` module, or a ConfigError naming ``backend.dispatcher`` and how to install DeepEP."""
     try:
         import deep_ep
     except ImportError as exc:
         raise ConfigError(
-            ConfigIssue("backend.dispatcher", f"'deepep' needs the optional package 'deep_ep' ({exc}): {_INSTALL_HINT}")
+            ConfigIssue(
+                "backend.dispatcher",
+                f"'deepep' needs DeepEP (the 'deep_ep' module: {exc}); {DEEPEP_INSTALL}, or set backend.dispatcher: "
+                "torch",
+            )
         ) from exc
     if not torch.cuda.is_available():
         raise ConfigError(
-            ConfigIssue("backend.dispatcher", f"'deepep' runs on CUDA only and no GPU is visible: {_INSTALL_HINT}")
+            ConfigIssue(
+                "backend.dispatcher",
+                "'deepep' runs DeepEP's CUDA kernels and no GPU is visible; run on CUDA devices or set "
+                "backend.dispatcher: torch",
+            )
         )
     return deep_ep
 
 
-class _BufferCache:
-    """One DeepEP ``Buffer`` per process group, grown when a larger hidden size asks for more bytes."""
+class DeepEPBuffers:
+    """One ``Buffer`` per process group, re-made when a wider hidden size asks for more bytes (DeepEP's README
+    recipe: the larger of the dispatch and combine configs' size hints)."""
 
-    def __init__(self, deep_ep: Any, group: dist.ProcessGroup) -> None:
-        self.deep_ep = deep_ep
+    def __init__(self, buffer_cls: type, group: dist.ProcessGroup, *, topk_idx_dtype: torch.dtype) -> None:
+        self.buffer_cls = buffer_cls
         self.group = group
-        self.buffer = None
+        self.topk_idx_dtype = topk_idx_dtype
+        self.buffer: Any = None
 
     def get(self, hidden: torch.Tensor) -> Any:
-        buffer_cls = self.deep_ep.Buffer
         size = dist.get_world_size(self.group)
         hidden_bytes = hidden.shape[-1] * max(hidden.element_size(), 2)
         nvl = rdma = 0
-        for config in (buffer_cls.get_dispatch_config(size), buffer_cls.get_combine_config(size)):
+        for config in (self.buffer_cls.get_dispatch_config(size), self.buffer_cls.get_combine_config(size)):
             nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, size))
             rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, size))
         if self.buffer is None or self.buffer.num_nvl_bytes < nvl or self.buffer.num_rdma_bytes < rdma:
-            self.buffer = buffer_cls(self.group, nvl, rdma)
+            self.buffer = self.buffer_cls(self.group, nvl, rdma)
         return self.buffer
 
 
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, top_idx, top_weights, num_experts: int, buffers: _BufferCache):
-        buffer = buffers.get(hidden)
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(top_idx, num_experts)
-        recv_x, recv_idx, recv_weights, _, handle, _ = buffer.dispatch(
-            hidden,
-            topk_idx=top_idx,
-            topk_weights=top_weights,
-            num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma_rank,
-            is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert,
-        )
-        ctx.buffers, ctx.handle = buffers, handle
-        ctx.mark_non_differentiable(recv_idx)
-        return recv_x, recv_idx, recv_weights, handle
-
-    @staticmethod
-    def backward(ctx, grad_x, _grad_idx, grad_weights, _grad_handle):
-        buffer = ctx.buffers.get(grad_x)
-        combined_x, combined_weights, _ = buffer.combine(
-            grad_x.contiguous(), ctx.handle, topk_weights=grad_weights.float().contiguous()
-        )
-        return combined_x, None, combined_weights, None, None
+def _dispatch(x, topk_idx, topk_weights, buffers_key: int, num_experts: int):
+    return torch.ops.nemo_ac.deepep_dispatch(x, topk_idx, topk_weights, buffers_key, num_experts)
 
 
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, per_token, handle, buffers: _BufferCache):
-        buffer = buffers.get(per_token)
-        combined, _, _ = buffer.combine(per_token.contiguous(), handle)
-        ctx.buffers, ctx.handle = buffers, handle
-        return combined
+def _combine(x, handle, buffers_key: int, num_tokens: int):
+    return torch.ops.nemo_ac.deepep_combine(x, handle, buffers_key, num_tokens)
 
-    @staticmethod
-    def backward(ctx, grad):
-        buffer = ctx.buffers.get(grad)
-        recv_grad, *_ = buffer.dispatch(grad.contiguous(), handle=ctx.handle)
-        return recv_grad, None, None
+
+# Under AC(compile(block)) (compile.layout ac_outer) every compiled graph runs as one region the SAC modes pass
+# through and always recompute (workarounds.compiled_regions_under_sac): an op traced into it would communicate
+# again in every recompute. Called through these, the ops run between compiled graphs, where the SAC modes save them.
+_dispatch_between_graphs = torch.compiler.disable(_dispatch)
+_combine_between_graphs = torch.compiler.disable(_combine)
 
 
 @dataclass
 class DeepEPContext:
-    handle: Any
+    handle: torch.Tensor  # the handle token (deepep_ops)
     order: torch.Tensor  # expert-contiguous rows -> (received token, slot) pairs that live on this rank
     recv_weights: torch.Tensor  # [R, k] router weights of the received tokens (fp32, differentiable)
     num_received: int
+    num_tokens: int
 
 
 class DeepEPDispatcher:
-    """Same ``dispatch`` / ``combine`` contract as the torch dispatcher; the all-to-alls are DeepEP's kernels."""
+    """Same ``dispatch`` / ``combine`` contract as the torch dispatcher; the all-to-alls are DeepEP's kernels.
 
-    def __init__(self, *, group: dist.ProcessGroup, num_experts: int) -> None:
-        deep_ep = import_deep_ep()
+    between_compiled_graphs: call the ops outside compiled code (a graph break each), for blocks compiled inside
+        their checkpoint (ac_outer); False traces them into the graph as single nodes (compile_outer: the policy
+        is applied when the checkpoint is traced, so they are saved there too).
+    buffer_cls: the ``Buffer`` implementation; None imports ``deep_ep.Buffer`` (CUDA only).
+    """
+
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup,
+        num_experts: int,
+        between_compiled_graphs: bool = True,
+        buffer_cls: type | None = None,
+    ) -> None:
+        size = dist.get_world_size(group)
+        if num_experts % size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the ep group size {size}")
         self.group = group
         self.num_experts = num_experts
-        self.num_local_experts = num_experts // dist.get_world_size(group)
-        self.buffers = _BufferCache(deep_ep, group)
+        self.num_local_experts = num_experts // size
+        topk_idx_dtype = torch.int64
+        if buffer_cls is None:
+            deep_ep = import_deep_ep()
+            # V2 exports the dtype its layout kernel takes (int64 unless built with EP_NUM_TOPK_IDX_BITS); V1: int64.
+            buffer_cls, topk_idx_dtype = deep_ep.Buffer, getattr(deep_ep, "topk_idx_t", torch.int64)
+        self.buffers = DeepEPBuffers(buffer_cls, group, topk_idx_dtype=topk_idx_dtype)
+        self.buffers_key = deepep_ops.register_buffers(self.buffers)
+        self._dispatch_op = _dispatch_between_graphs if between_compiled_graphs else _dispatch
+        self._combine_op = _combine_between_graphs if between_compiled_graphs else _combine
 
     def dispatch(
         self,
@@ -130,8 +139,10 @@ class DeepEPDispatcher:
     ) -> tuple[torch.Tensor, torch.Tensor, DeepEPContext]:
         if top_scores is None:
             raise ValueError("the deepep dispatcher applies router weights on the expert side: pass top_scores")
-        recv_x, recv_idx, recv_weights, handle = _Dispatch.apply(
-            hidden.contiguous(), top_idx, top_scores.float().contiguous(), num_experts, self.buffers
+        if num_experts != self.num_experts:
+            raise ValueError(f"dispatcher built for {self.num_experts} experts, called with {num_experts}")
+        recv_x, recv_idx, recv_weights, handle = self._dispatch_op(
+            hidden.contiguous(), top_idx, top_scores.float().contiguous(), self.buffers_key, num_experts
         )
         k = recv_idx.shape[-1]
         # Slots whose expert lives on another rank (-1) go to a parking bucket past the last local expert.
@@ -139,13 +150,20 @@ class DeepEPDispatcher:
         order, counts = sort_by_expert(parked, self.num_local_experts + 1)
         tokens_per_expert = counts[: self.num_local_experts]
         order = order[: int(tokens_per_expert.sum())]
-        ctx = DeepEPContext(handle=handle, order=order, recv_weights=recv_weights, num_received=recv_x.shape[0])
+        ctx = DeepEPContext(
+            handle=handle,
+            order=order,
+            recv_weights=recv_weights,
+            num_received=recv_x.shape[0],
+            num_tokens=hidden.shape[0],
+        )
         return permute_tokens(recv_x, order, k), tokens_per_expert, ctx
 
     def combine(self, expert_out: torch.Tensor, top_scores: torch.Tensor, ctx: DeepEPContext) -> torch.Tensor:
+        """Weights each expert row by its router weight (fp32), sums a received token's rows, sends the sums home."""
         k = ctx.recv_weights.shape[-1]
         weights = ctx.recv_weights.reshape(-1).index_select(0, ctx.order)
         weighted = expert_out.to(torch.float32) * weights.unsqueeze(-1)
         token = torch.div(ctx.order, k, rounding_mode="floor")
         per_token = weighted.new_zeros(ctx.num_received, expert_out.shape[-1]).index_add(0, token, weighted)
-        return _Combine.apply(per_token.to(expert_out.dtype), ctx.handle, self.buffers)
+        return self._combine_op(per_token.to(expert_out.dtype), ctx.handle, self.buffers_key, ctx.num_tokens)

@@ -15,7 +15,8 @@ are two dims of one view of the root mesh, as FSDP2 requires of a DTensor parame
 
 The differentiable all-to-all is torch's functional-collective autograd op, so its backward is the reverse
 all-to-all and torch.compile can trace it (a graph node, not a Python call on a process group).
-``backend.dispatcher: deepep`` is in ``nemo_ac.distributed.deepep_dispatcher`` (CUDA only, imported lazily).
+``backend.dispatcher: deepep`` is in ``nemo_ac.distributed.deepep_dispatcher`` (CUDA only, imported lazily); its
+communication runs in the custom ops of ``nemo_ac.distributed.deepep_ops``.
 """
 
 from __future__ import annotations
@@ -127,24 +128,47 @@ def shard_experts(experts: nn.Module, *, ep_mesh: DeviceMesh) -> None:
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
-def build_dispatcher(kind: str, *, ep_mesh: DeviceMesh, num_experts: int):
+def deepep_between_compiled_graphs(plan: ParallelPlan) -> bool:
+    """Whether DeepEP's ops must run between compiled graphs: a checkpointed MoE block compiled inside its
+    checkpoint (``ac_outer``) recomputes whole compiled graphs, so an op traced into one would communicate again in
+    every recompute (``deepep_dispatcher``). Elsewhere (compile_outer, no AC, no compile) they are traced."""
+    return any(b.moe and b.ac != "none" and b.compile_layout == "ac_outer" for b in plan.decoder_blocks())
+
+
+def build_dispatcher(
+    kind: str,
+    *,
+    ep_mesh: DeviceMesh,
+    num_experts: int,
+    deepep_between_graphs: bool = True,
+    deepep_buffer_cls: type | None = None,
+):
     """The dispatcher for ``backend.dispatcher``; deepep is imported only when asked for.
 
     Dispatchers keep no per-call state (``dispatch`` returns it as ``ctx``), so one instance serves every layer.
+    deepep_buffer_cls: the ``deep_ep.Buffer`` implementation (None: DeepEP's own; tests pass the gloo stand-in).
     """
     if kind == "torch":
         return AllToAllDispatcher(group=ep_mesh.get_group(), num_experts=num_experts)
     if kind == "deepep":
         from nemo_ac.distributed.deepep_dispatcher import DeepEPDispatcher
 
-        return DeepEPDispatcher(group=ep_mesh.get_group(), num_experts=num_experts)
+        return DeepEPDispatcher(
+            group=ep_mesh.get_group(),
+            num_experts=num_experts,
+            between_compiled_graphs=deepep_between_graphs,
+            buffer_cls=deepep_buffer_cls,
+        )
     raise ValueError(f"backend.dispatcher: unknown dispatcher {kind!r}; use torch or deepep")
 
 
-def apply_ep(model: nn.Module, *, plan: ParallelPlan, ep_mesh: DeviceMesh | None) -> None:
+def apply_ep(
+    model: nn.Module, *, plan: ParallelPlan, ep_mesh: DeviceMesh | None, deepep_buffer_cls: type | None = None
+) -> None:
     """Shard every routed MoE's experts over ``ep_mesh`` and give it the plan's expert-parallel dispatcher.
 
-    ``ep_mesh`` None (``parallel.ep: 1``): nothing to do; the local dispatcher stays.
+    ``ep_mesh`` None (``parallel.ep: 1``): nothing to do; the local dispatcher stays. ``deepep_buffer_cls``: see
+    ``build_dispatcher``.
     """
     if ep_mesh is None:
         if plan.dispatcher != "torch":
@@ -159,7 +183,13 @@ def apply_ep(model: nn.Module, *, plan: ParallelPlan, ep_mesh: DeviceMesh | None
     num_experts = {moe.experts_module().num_experts for moe in moes}
     if len(num_experts) != 1:
         raise ValueError(f"MoE layers disagree on the number of experts: {sorted(num_experts)}")
-    shared = build_dispatcher(plan.dispatcher, ep_mesh=ep_mesh, num_experts=num_experts.pop())
+    shared = build_dispatcher(
+        plan.dispatcher,
+        ep_mesh=ep_mesh,
+        num_experts=num_experts.pop(),
+        deepep_between_graphs=deepep_between_compiled_graphs(plan),
+        deepep_buffer_cls=deepep_buffer_cls,
+    )
     for moe in moes:
         shard_experts(moe.experts_module(), ep_mesh=ep_mesh)
         moe.set_dispatcher(shared)

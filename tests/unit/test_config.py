@@ -117,6 +117,6 @@ def test_absent_optional_extra_is_a_clear_error():
     recipe = load("backend.dispatcher=deepep")
     issues = check_environment(recipe, cuda_available=False)
     text = " ".join(str(issue) for issue in issues)
-    assert "backend.dispatcher" in text
-    assert "pip install 'nemo_ac[deepep]'" in text
-    assert "needs CUDA" in text
+    assert "backend.dispatcher: 'deepep' needs DeepEP (the 'deep_ep' module), which is not installed" in text
+    assert "git clone https://github.com/deepseek-ai/DeepEP" in text and "python setup.py install" in text
+    assert "backend.dispatcher: 'deepep' runs DeepEP's CUDA kernels and no GPU is visible" in text

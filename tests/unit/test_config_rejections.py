@@ -117,13 +117,6 @@ ROWS = [
     ),
     row(
         "check_experts",
-        ["backend.dispatcher=deepep"],
-        "backend.dispatcher",
-        r"deepep moves tokens between expert-parallel ranks but parallel.ep is 1; set parallel.ep > 1",
-        id="deepep_without_ep",
-    ),
-    row(
-        "check_experts",
         ["parallel.ep=2", "model.moe.separate_fsdp_unit=false"],
         "model.moe.separate_fsdp_unit",
         r"expert parallel shards experts on their own mesh; they must be a separate FSDP unit \(set true\)",
@@ -571,11 +564,36 @@ ROWS = [
         r"nccl needs CUDA devices; use gloo \(or auto\) with dist.device=cpu",
     ),
     row("check_dist", ["dist.timeout_s=0"], "dist.timeout_s", r"must be >= 1, got 0"),
+    # check_deepep
     row(
-        "check_dist",
-        ["backend.dispatcher=deepep", "dist.device=cpu"],
+        "check_deepep",
+        ["backend.dispatcher=deepep"],
+        "backend.dispatcher",
+        r"deepep moves tokens between expert-parallel ranks but parallel.ep is 1; set parallel.ep > 1",
+        id="deepep_without_ep",
+    ),
+    row(
+        "check_deepep",
+        ["backend.dispatcher=deepep", "parallel.ep=3", "parallel.fsdp.param_dtype=bfloat16"],
+        "parallel.ep",
+        r"3 is not an expert-parallel size DeepEP's kernels support: 2, 4, 8 ranks within one NVLink node, or 16, 32, "
+        r"64, 128, 144, 160 across nodes of 8 GPUs \(RDMA, DeepEP built with NVSHMEM; also 24, 48, 96 with DeepEP "
+        r"2.x\); set parallel.ep to one of those, or backend.dispatcher: torch",
+        world_size=3,
+    ),
+    row(
+        "check_deepep",
+        ["backend.dispatcher=deepep", "parallel.ep=2", "parallel.fsdp.param_dtype=bfloat16", "dist.device=cpu"],
         "backend.dispatcher",
         r"deepep runs on CUDA only; use dispatcher: torch on CPU",
+    ),
+    row(
+        "check_deepep",
+        ["backend.dispatcher=deepep", "parallel.ep=2"],
+        "parallel.fsdp.param_dtype",
+        r"float32 with backend.dispatcher: deepep: the tokens DeepEP moves are in the compute dtype, and its combine "
+        r"kernel \(also the backward of dispatch\) takes bfloat16 only; set parallel.fsdp.param_dtype: bfloat16, or "
+        r"backend.dispatcher: torch",
     ),
     # check_checkpoint
     row("check_checkpoint", ["checkpoint.every_n_steps=-1"], "checkpoint.every_n_steps", r"must be >= 0, got -1"),

@@ -74,12 +74,12 @@ def test_apply_ep_rejects_deepep_without_ep() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deep_ep") is not None, reason="deep_ep is installed here")
-def test_deepep_dispatcher_without_deep_ep_names_key_and_extra(world) -> None:
+def test_deepep_dispatcher_without_deep_ep_names_key_and_install(world) -> None:
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
     from nemo_ac.distributed.expert_parallel import build_dispatcher
 
     with pytest.raises(ConfigError) as info:
         build_dispatcher("deepep", ep_mesh=mesh, num_experts=4)
     message = str(info.value)
-    assert "backend.dispatcher" in message
-    assert "pip install 'nemo_ac[deepep]'" in message
+    assert "backend.dispatcher: 'deepep' needs DeepEP" in message
+    assert "git clone https://github.com/deepseek-ai/DeepEP" in message and "python setup.py install" in message

@@ -1,5 +1,5 @@
 """The GLM-4.5-Air and Nemotron 3 Super recipes: the full ones validate at their world sizes without TE / DeepEP
-installed, ``--check-env`` names what is missing (key and pip extra), their architecture adds up to the published
+installed, ``--check-env`` names what is missing (key and how to install it), their architecture adds up to the published
 model sizes, and the tiny ones keep the full ones' structure. The Transformer Engine adapter fails clearly without
 TE and is never imported when no backend asks for it."""
 
@@ -34,13 +34,15 @@ def test_full_recipe_validates_at_its_world_size(name: str, capsys) -> None:
 
 
 @pytest.mark.skipif(HAS_TE or HAS_DEEPEP, reason="te / deep_ep are installed here: nothing is missing")
-def test_check_env_names_the_key_and_the_pip_extra(capsys) -> None:
+def test_check_env_names_the_key_and_the_install(capsys) -> None:
     assert (
         cli(["validate", str(RECIPES / "nemotron_super_v3_te_deepep.yaml"), "--world-size", "64", "--check-env"]) == 2
     )
     err = capsys.readouterr().err
-    assert "backend.dispatcher: 'deepep' needs the optional package 'deep_ep'" in err
-    assert "pip install 'nemo_ac[deepep]'" in err
+    assert "backend.dispatcher: 'deepep' needs DeepEP (the 'deep_ep' module), which is not installed" in err
+    assert "parallel.ep=64 spans nodes: DeepEP's internode kernels need it built with NVSHMEM" in err
+    assert "git clone https://github.com/deepseek-ai/DeepEP" in err and "python setup.py install" in err
+    assert "backend.dispatcher: 'deepep' runs DeepEP's CUDA kernels and no GPU is visible" in err
     for key in ("backend.linear", "backend.rms_norm"):
         assert f"{key}: 'te' needs the optional package 'transformer_engine'" in err
     assert "pip install 'nemo_ac[te]'" in err

@@ -5,8 +5,8 @@ Saved: compute-intensive ops from torch's partitioner list (attention, convoluti
 router's ``nemo_ac::select_experts`` (``models.common.routing_replay``, which also covers full AC and compiled
 regions), so the recompute routes every token to the same experts (with ``tokens_per_expert.tolist()`` in the experts loop a
 different routing would change the op stream itself); outputs of functional collectives (all-to-all,
-reduce-scatter, all-gather; DeepEP dispatch/combine when those ops are registered), so the recompute does not
-communicate again. Never saved: an op that mutates an input (``aten.copy_``, ``scatter_``, FSDP's copy-out):
+reduce-scatter, all-gather; DeepEP's dispatch / combine, ``nemo_ac.distributed.deepep_ops``), so the recompute does
+not communicate again. Never saved: an op that mutates an input (``aten.copy_``, ``scatter_``, FSDP's copy-out):
 replaying a cached result skips the mutation, e.g. ``inverse_permutation``'s ``inv.scatter_`` or FSDP filling
 unsharded parameters.
 
@@ -25,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.diagnostics.sac_explain import DecisionLog
+from nemo_ac.distributed import deepep_ops as _registers_deepep_ops  # noqa: F401  (torch.ops.nemo_ac.deepep_*)
 from nemo_ac.models.common import packed_attention as _registers_packed_attention_op  # noqa: F401
 from nemo_ac.models.common import routing_replay as _registers_select_experts_op  # noqa: F401
 from nemo_ac.workarounds import grouped_mm_fake_rule as _registers_grouped_mm_op  # noqa: F401  (torch.ops.nemo_ac)
@@ -70,9 +71,7 @@ _COMMUNICATION = (
     "_c10d_functional_autograd::all_to_all_single",
     "_c10d_functional_autograd::reduce_scatter_tensor",
     "_c10d_functional_autograd::all_gather_into_tensor",
-    # DeepEP dispatch/combine, when an adapter registers them as torch ops.
-    "deep_ep::dispatch",
-    "deep_ep::combine",
+    # DeepEP's dispatch / combine (nemo_ac.distributed.deepep_ops; DeepEP itself registers no torch ops).
     "nemo_ac::deepep_dispatch",
     "nemo_ac::deepep_combine",
 )

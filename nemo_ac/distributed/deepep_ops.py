@@ -1,0 +1,227 @@
+"""DeepEP's dispatch and combine as torch custom ops: selective AC saves their outputs, torch.compile sees one node.
+
+Why custom ops. DeepEP's ``Buffer.dispatch`` / ``Buffer.combine`` are calls into a C++ extension, not torch ops: no
+dispatch mode sees them. Called from an ``autograd.Function`` (what ``deepep_dispatcher`` did before), the
+selective-AC policy never got to decide about them, so every recompute ran both all-to-alls again. As
+``nemo_ac::deepep_dispatch`` and ``nemo_ac::deepep_combine`` they reach the SAC modes like any aten op; the policy
+lists them with the collectives (``activation_checkpointing.policy``, MUST_SAVE), so the recompute replays their
+saved outputs and communicates nothing. ``torch.compile`` traces each as one opaque node (fake impls below) instead
+of tracing into DeepEP's Python.
+
+The four ops, and DeepEP's own pairing of them (its README: "the backward process of MoE dispatch is actually a
+combine", and the reverse):
+
+- ``deepep_dispatch(x, topk_idx, topk_weights)`` -> ``(recv_x, recv_topk_idx, recv_topk_weights, handle)``:
+  ``get_dispatch_layout`` then ``dispatch``. Backward: ``deepep_dispatch_backward``.
+- ``deepep_dispatch_backward(grad_recv_x, grad_recv_weights, handle)`` -> ``(grad_x, grad_topk_weights)``:
+  ``combine(grad_recv_x, handle, topk_weights=grad_recv_weights)``.
+- ``deepep_combine(x, handle)`` -> ``combined``: ``combine(x, handle)``. Backward: ``deepep_combine_backward``.
+- ``deepep_combine_backward(grad, handle)`` -> ``grad_x``: ``dispatch(grad, handle=handle)`` (the cached layout).
+
+The received token count is data-dependent: the fake impl of ``deepep_dispatch`` gives ``recv_x`` an unbacked size
+(``torch.library.get_ctx().new_dynamic_size()``); every later op takes its sizes from tensors or int arguments.
+
+The handle. DeepEP's ``handle`` is an opaque Python tuple (its layout: prefix matrices, source indices, ...), and a
+custom op takes and returns tensors and scalars only. It travels as a *token*: a 0-dim CPU int64 tensor holding a
+key into a per-process registry that holds the handle. The registry entry lives exactly as long as the token's
+storage: a ``weakref.finalize`` on the storage drops the handle when the last tensor sharing it goes (the SAC cache,
+autograd's saved tensors and compiled graphs' saved activations all keep the storage, whichever tensor object they
+hold). So:
+
+- selective AC that saves the ops: the recompute replays the forward's token and the backward finds its handle;
+- full AC, or a policy that recomputes them: the forward's token dies with the forward, the recompute makes a new
+  handle (communicating again, as full AC does) and the backward uses that one;
+- no-grad forwards free their handles when their outputs go.
+
+A CPU token costs no device sync to read. Passing DeepEP's handle tensors explicitly instead would need fake impls
+that know DeepEP's internal handle layout (6 tensors intranode, 10 internode, V2 changed it to an object).
+
+Buffers. The ops find their ``deep_ep.Buffer`` (or the test stand-in) through ``register_buffers``: an int key per
+dispatcher (a compile-time constant), weakly held. Nothing here imports ``deep_ep``; registering the ops costs
+nothing on machines without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Protocol
+
+import torch
+
+
+class BufferSource(Protocol):
+    """What the ops need from a dispatcher's buffer cache (``deepep_dispatcher.DeepEPBuffers``)."""
+
+    topk_idx_dtype: torch.dtype
+
+    def get(self, hidden: torch.Tensor) -> Any:
+        """The ``Buffer`` for tokens shaped like ``hidden`` (grown if it needs more bytes)."""
+        ...
+
+
+_SOURCES: weakref.WeakValueDictionary[int, BufferSource] = weakref.WeakValueDictionary()
+_HANDLES: dict[int, Any] = {}
+_KEYS = itertools.count(1)
+
+
+def register_buffers(source: BufferSource) -> int:
+    """The key the ops take as ``buffers_key`` to reach ``source`` (held weakly: it goes with its dispatcher)."""
+    key = next(_KEYS)
+    _SOURCES[key] = source
+    return key
+
+
+def _source(key: int) -> BufferSource:
+    source = _SOURCES.get(key)
+    if source is None:
+        raise RuntimeError(f"nemo_ac DeepEP ops: no buffer registered under key {key} (its dispatcher is gone)")
+    return source
+
+
+def _hold_handle(handle: Any) -> torch.Tensor:
+    """A token for ``handle``: the registry keeps it while the token's storage lives."""
+    key = next(_KEYS)
+    _HANDLES[key] = handle
+    token = torch.tensor(key, dtype=torch.int64)
+    weakref.finalize(token.untyped_storage(), _HANDLES.pop, key, None)
+    return token
+
+
+def _handle(token: torch.Tensor) -> Any:
+    key = int(token)
+    try:
+        return _HANDLES[key]
+    except KeyError:
+        raise RuntimeError(
+            f"nemo_ac DeepEP ops: handle {key} was released while a tensor still named it (the token was copied "
+            "into new storage); please report this with the AC and compile settings"
+        ) from None
+
+
+def live_handles() -> int:
+    """Handles held right now (tests check that none leak)."""
+    return len(_HANDLES)
+
+
+# --- dispatch -------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("nemo_ac::deepep_dispatch", mutates_args=())
+def deepep_dispatch(
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, buffers_key: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H]; topk_idx [T, k] global expert ids; topk_weights [T, k] fp32. Returns the rows this rank receives
+    (each token once per destination rank, source-rank major): recv_x [R, H], recv_topk_idx [R, k] (local expert ids,
+    -1: the slot's expert lives elsewhere), recv_topk_weights [R, k] fp32 (0 where -1), and the handle token."""
+    source = _source(buffers_key)
+    buffer = source.get(x)
+    idx = topk_idx.to(source.topk_idx_dtype)
+    per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)
+    recv_x, recv_idx, recv_weights, _, handle, _ = buffer.dispatch(
+        x,
+        topk_idx=idx,
+        topk_weights=topk_weights,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+    )
+    return recv_x, recv_idx.to(topk_idx.dtype), recv_weights, _hold_handle(handle)
+
+
+@deepep_dispatch.register_fake
+def _(x, topk_idx, topk_weights, buffers_key, num_experts):
+    received = torch.library.get_ctx().new_dynamic_size()
+    return (
+        x.new_empty(received, x.shape[1]),
+        topk_idx.new_empty(received, topk_idx.shape[1]),
+        topk_weights.new_empty(received, topk_weights.shape[1]),
+        torch.empty((), dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("nemo_ac::deepep_dispatch_backward", mutates_args=())
+def deepep_dispatch_backward(
+    grad_recv_x: torch.Tensor, grad_recv_weights: torch.Tensor, handle: torch.Tensor, buffers_key: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of dispatch: the received rows' gradients summed back onto their source tokens ([T, H], and the
+    weights' gradients [T, k] fp32)."""
+    buffer = _source(buffers_key).get(grad_recv_x)
+    grad_x, grad_weights, _ = buffer.combine(
+        grad_recv_x.contiguous(), _handle(handle), topk_weights=grad_recv_weights.float().contiguous()
+    )
+    return grad_x, grad_weights
+
+
+@deepep_dispatch_backward.register_fake
+def _(grad_recv_x, grad_recv_weights, handle, buffers_key, num_tokens):
+    return (
+        grad_recv_x.new_empty(num_tokens, grad_recv_x.shape[1]),
+        grad_recv_weights.new_empty(num_tokens, grad_recv_weights.shape[1], dtype=torch.float32),
+    )
+
+
+def _dispatch_setup_context(ctx, inputs, output) -> None:
+    x, _topk_idx, _topk_weights, buffers_key, _ = inputs
+    ctx.save_for_backward(output[3])
+    ctx.buffers_key = buffers_key
+    ctx.num_tokens = x.shape[0]
+
+
+def _dispatch_backward(ctx, grad_recv_x, _grad_idx, grad_recv_weights, _grad_handle):
+    (handle,) = ctx.saved_tensors
+    grad_x, grad_weights = torch.ops.nemo_ac.deepep_dispatch_backward(
+        grad_recv_x, grad_recv_weights, handle, ctx.buffers_key, ctx.num_tokens
+    )
+    return grad_x, None, grad_weights, None, None
+
+
+deepep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
+
+
+# --- combine --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("nemo_ac::deepep_combine", mutates_args=())
+def deepep_combine(x: torch.Tensor, handle: torch.Tensor, buffers_key: int, num_tokens: int) -> torch.Tensor:
+    """x [R, H] (one row per received token, already weighted) -> [T, H]: each token's rows from every rank it went
+    to, summed (DeepEP's combine adds without weights)."""
+    buffer = _source(buffers_key).get(x)
+    combined, _, _ = buffer.combine(x.contiguous(), _handle(handle))
+    return combined
+
+
+@deepep_combine.register_fake
+def _(x, handle, buffers_key, num_tokens):
+    return x.new_empty(num_tokens, x.shape[1])
+
+
+@torch.library.custom_op("nemo_ac::deepep_combine_backward", mutates_args=())
+def deepep_combine_backward(
+    grad: torch.Tensor, handle: torch.Tensor, buffers_key: int, num_received: int
+) -> torch.Tensor:
+    """The backward of combine: each token's gradient sent again to every rank it went to ([R, H])."""
+    buffer = _source(buffers_key).get(grad)
+    recv_grad, *_ = buffer.dispatch(grad.contiguous(), handle=_handle(handle))
+    return recv_grad
+
+
+@deepep_combine_backward.register_fake
+def _(grad, handle, buffers_key, num_received):
+    return grad.new_empty(num_received, grad.shape[1])
+
+
+def _combine_setup_context(ctx, inputs, output) -> None:
+    x, handle, buffers_key, _ = inputs
+    ctx.save_for_backward(handle)
+    ctx.buffers_key = buffers_key
+    ctx.num_received = x.shape[0]
+
+
+def _combine_backward(ctx, grad):
+    (handle,) = ctx.saved_tensors
+    return torch.ops.nemo_ac.deepep_combine_backward(grad, handle, ctx.buffers_key, ctx.num_received), None, None, None
+
+
+deepep_combine.register_autograd(_combine_backward, setup_context=_combine_setup_context)
