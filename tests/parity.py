@@ -14,8 +14,10 @@ losses relative to the reference loss):
   process multiplies bigger row blocks than a sharded rank does, so bf16 products round differently, and inductor
   keeps some intermediates in fp32 where eager rounds them to bf16 (measured with EP2 x CP2 ring on 4 ranks:
   1.3e-2 eager, 1.8e-2 compiled, losses 8e-5; printed by ``pytest -s tests/functional/test_parity.py``);
-- activation checkpointing on vs off, same layout and dtype: bitwise equal in eager (the recompute runs the same
-  kernels on the same values), ``AC_COMPILED`` under compile (inductor may fuse the recompute differently).
+- activation checkpointing on vs off, same layout and dtype (``AC_ON_VS_OFF``): bitwise equal, in eager (the
+  recompute runs the same kernels on the same values) and, measured on CPU, under inductor too (bf16, EP2 x CP2
+  ring, selective AC vs none, both compiled: 0.0). A GPU run may need a rounding bound there if inductor fuses the
+  recompute differently; none is granted until one is measured.
 """
 
 from __future__ import annotations
@@ -41,8 +43,7 @@ TOLERANCES = {
     "float32": Tolerance(grad=1e-5, loss=1e-5),
     "bfloat16": Tolerance(grad=3e-2, loss=1e-3),
 }
-AC_EAGER = Tolerance(grad=0.0, loss=0.0)
-AC_COMPILED = {"float32": Tolerance(grad=1e-5, loss=1e-6), "bfloat16": Tolerance(grad=1e-2, loss=1e-3)}
+AC_ON_VS_OFF = Tolerance(grad=0.0, loss=0.0)
 
 
 def gradient_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,10 +1,11 @@
 """torchrun worker: parity cells of one world size in one launch, each a short training run through the production
 build, snapshotting every parameter's gradient (``tests.parity``).
 
-``python parity.py OUT_DIR CELLS.json`` where CELLS.json is ``[{"name", "recipe", "overrides": [...]}, ...]``. Per
+``python parity.py OUT_DIR CELLS.json`` where CELLS.json is ``[{"name", "recipe", "overrides": [...],
+"watch_dtypes": bool}, ...]``. Per
 cell: build (``nemo_ac.trainer.build``), train ``train.steps`` steps, snapshot every parameter's full gradient just
 before the first optimizer step, and record the losses, the grad norms, Dynamo compiles per thread after each step,
-the compile accounting, and the dtypes the router saw in its first forward (its weight: the unsharded parameter,
+the compile accounting, and (``watch_dtypes``) the dtypes the router saw in its first forward (its weight: the unsharded parameter,
 so its FSDP unit's mixed-precision dtype; its logits; its scores) beside the routed experts' weight and output. Rank 0 writes
 ``OUT_DIR/<name>.pt`` (the gradients) and ``OUT_DIR/cells.json``. A failing cell records its error and the launch
 stops there (its collectives may be out of step).
@@ -86,6 +87,7 @@ def _watch_dtypes(model: torch.nn.Module) -> tuple[dict[str, str], list]:
 
 
 def run_cell(cell: dict, *, world_size: int, device: torch.device, out_dir: Path, rank: int) -> dict:
+    torch._dynamo.reset()  # each cell compiles from scratch: no code cache or automatic-dynamic state from the last
     recipe = load_recipe(str(ROOT / "recipes" / cell["recipe"]), cell["overrides"])
     layout = validate_recipe(recipe, world_size=world_size)
     setup = build_training(recipe, layout, device=device)
@@ -100,12 +102,13 @@ def run_cell(cell: dict, *, world_size: int, device: torch.device, out_dir: Path
         return real_step(*args, **kwargs)
 
     setup.optimizer.step = step
-    seen, handles = _watch_dtypes(setup.model)
+    # Opt-in: the hooks are traced into compiled blocks and their dict writes add guards (recompiles).
+    seen, handles = _watch_dtypes(setup.model) if cell.get("watch_dtypes") else ({}, [])
     dynamo_callback.callback_handler.register_start_callback(counter)
     try:
         with CompileAccounting(watch_checkpoint_entries=setup.plan.applied.compiled_checkpoint_entries) as accounting:
             history = trainer.fit()
-            compile_metrics = accounting.metrics() if recipe.compile.enabled else {}
+            compile_metrics = accounting.summary() if recipe.compile.enabled else {}
     finally:
         dynamo_callback.callback_handler.remove_start_callback(counter)
         for handle in handles:
