@@ -124,13 +124,31 @@ def check_hf_weights(recipe: RecipeConfig) -> list[ConfigIssue]:
     return issues
 
 
+def resolve_pretrained_once_per_node(name_or_path: str) -> Path:
+    """A local directory as is. A Hub id is downloaded by local rank 0 of each node while the node's other ranks
+    wait at a barrier, then resolved from the filled cache by them (no rank reads before its node has the files;
+    no node downloads the checkpoint once per rank)."""
+    if Path(name_or_path).is_dir() or not (dist.is_available() and dist.is_initialized()):
+        return resolve_pretrained(name_or_path)
+    path, error = None, None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        try:
+            path = resolve_pretrained(name_or_path)
+        except FileNotFoundError as err:  # still reach the barrier: the node's other ranks wait there
+            error = err
+    dist.barrier()
+    if error is not None:
+        raise error
+    return path if path is not None else resolve_pretrained(name_or_path)
+
+
 def materialize_weights(model: nn.Module, *, model_config: ModelConfig, device: torch.device, seed: int) -> str:
     """``model.pretrained`` -> load its safetensors into the parallelized model; else deterministic random init.
     Returns what happened, for the startup line. Raises ConfigError when a downloaded checkpoint disagrees."""
     if not model_config.pretrained:
         materialize_and_init(model, device=device, seed=seed)
         return "random init"
-    path = resolve_pretrained(model_config.pretrained)
+    path = resolve_pretrained_once_per_node(model_config.pretrained)
     issues = architecture_issues(model_config, path)
     if issues:
         raise ConfigError(issues, source=str(path / "config.json"))

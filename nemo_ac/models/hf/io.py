@@ -16,10 +16,12 @@ the Hub; both layouts load, the Hub one is exported::
     P.experts.{e}.down_proj.weight [L, I]                                       -> P.experts.down_proj[e]    [L, I]
 
 Loading is planned from the safetensors headers first (every missing, unexpected or mis-shaped key is reported with
-its file before anything is copied), then streams one model tensor at a time: the full tensor is assembled on the
-host in the checkpoint dtype and each rank copies its own shard out of it (``copy_full_into``: no communication,
-every rank reads the same files). Peak host memory is one full tensor (one layer's grouped experts), never a state
-dict. Export gathers one tensor at a time with ``full_tensor()`` (a collective: every rank must call) and rank 0
+its file before anything is copied), then streams one model tensor at a time, and each rank reads from the files
+only the region it keeps: a DTensor's local shard (dense weights sharded by FSDP2 over dim 0, routed experts over
+EP and their FSDP mesh) is one box of the global tensor (``_local_region``), read with safetensors' lazy
+``get_slice`` (per-expert Hub keys: only this rank's experts, only the rows it keeps). No communication, no full
+tensor on any device; replicated tensors (non-DTensor, or replicated placements) are read whole. ``ReadStats``
+counts the bytes each rank reads. Export gathers one tensor at a time with ``full_tensor()`` (a collective: every rank must call) and rank 0
 writes shards of at most ``max_shard_bytes``.
 """
 
@@ -68,6 +70,63 @@ class _Target:
     name: str
     tensor: torch.Tensor
     pieces: list[_Piece] = field(default_factory=list)
+
+
+@dataclass
+class ReadStats:
+    """Bytes this rank read out of the safetensors files (the tensors ``get_slice`` returned), and how many model
+    tensors were read as a shard vs whole."""
+
+    bytes_read: int = 0
+    sharded: int = 0
+    whole: int = 0
+
+    def read(self, handle: Any, key: str, region: tuple[slice, ...] | None) -> torch.Tensor:
+        lazy = handle.get_slice(key)
+        tensor = lazy[region] if region is not None else lazy[:]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def _local_region(tensor: torch.Tensor) -> tuple[slice, ...] | None:
+    """The box of the global tensor this rank holds (None: all of it, or a layout read whole).
+
+    Per tensor dim, the indices this rank holds come from DTensor's own placement logic: an ``arange`` along that
+    dim distributed with the placements that shard it (``Shard(d)``, and ``_StridedShard(d)``, which FSDP2 uses for
+    the experts' dim 0 under EP), others replicated; ``src_data_rank=None`` slices locally, without communication.
+    Contiguous indices give a slice; anything else (never seen with FSDP2 + EP) is read whole.
+    """
+    if not isinstance(tensor, DTensor):
+        return None
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    placements = tensor.placements
+    if all(isinstance(p, Replicate) for p in placements):
+        return None
+    box = []
+    for dim, size in enumerate(tensor.shape):
+        on_dim = [p if getattr(p, "dim", None) == dim else Replicate() for p in placements]
+        if all(isinstance(p, Replicate) for p in on_dim):
+            box.append(slice(0, size))
+            continue
+        as_first = [p if isinstance(p, Replicate) else _on_dim_zero(p) for p in on_dim]
+        held = distribute_tensor(torch.arange(size), tensor.device_mesh, as_first, src_data_rank=None).to_local()
+        if held.numel() == 0:
+            box.append(slice(0, 0))
+        elif torch.equal(held, torch.arange(int(held[0]), int(held[0]) + held.numel())):
+            box.append(slice(int(held[0]), int(held[0]) + held.numel()))
+        else:
+            return None
+    if tuple(s.stop - s.start for s in box) != tuple(tensor.to_local().shape):
+        return None
+    return tuple(box)
+
+
+def _on_dim_zero(placement: Any) -> Any:
+    """The same shard placement on dim 0 (``_StridedShard`` keeps its split factor)."""
+    if hasattr(placement, "split_factor"):
+        return type(placement)(0, split_factor=placement.split_factor)
+    return type(placement)(0)
 
 
 def _safetensors() -> Any:
@@ -193,33 +252,60 @@ def _plan(model: nn.Module, root: Path, spec: HFFamily, cfg: ModelConfig, strict
     return list(targets.values())
 
 
-def _assemble(target: _Target, handles: dict[str, Any]) -> torch.Tensor:
-    """The full tensor of ``target`` in the checkpoint's dtype, read piece by piece."""
+def _assemble(
+    target: _Target, handles: dict[str, Any], *, region: tuple[slice, ...] | None, stats: ReadStats
+) -> torch.Tensor:
+    """``region`` of the tensor of ``target`` (all of it when None) in the checkpoint's dtype, reading only what
+    falls inside it, piece by piece."""
     pieces = target.pieces
     if pieces[0].expert is None:
-        return handles[pieces[0].file].get_tensor(pieces[0].key)
-    full: torch.Tensor | None = None
+        return stats.read(handles[pieces[0].file], pieces[0].key, region)
+    box = region if region is not None else tuple(slice(0, n) for n in target.tensor.shape)
+    experts, rows, rest = box[0], box[1], box[2:]
+    out: torch.Tensor | None = None
     for piece in pieces:
-        part = handles[piece.file].get_tensor(piece.key)
-        if full is None:
-            full = torch.empty(tuple(target.tensor.shape), dtype=part.dtype)
-        if piece.rows is None:
-            full[piece.expert] = part
-        else:
-            full[piece.expert, piece.rows] = part
-    assert full is not None
-    return full
+        if not experts.start <= piece.expert < experts.stop:
+            continue  # another rank's expert: never read
+        piece_rows = piece.rows if piece.rows is not None else slice(0, target.tensor.shape[1])
+        start, stop = max(rows.start, piece_rows.start), min(rows.stop, piece_rows.stop)
+        if start >= stop:
+            continue  # rows this rank does not keep
+        part = stats.read(
+            handles[piece.file], piece.key, (slice(start - piece_rows.start, stop - piece_rows.start), *rest)
+        )
+        if out is None:
+            out = torch.empty(tuple(s.stop - s.start for s in box), dtype=part.dtype)
+        out[piece.expert - experts.start, start - rows.start : stop - rows.start] = part
+    if out is None:  # an empty shard
+        return torch.empty(tuple(s.stop - s.start for s in box), dtype=target.tensor.dtype)
+    return out
+
+
+def _copy_region_into(dst: torch.Tensor, values: torch.Tensor, *, region: tuple[slice, ...] | None) -> None:
+    if region is None:
+        copy_full_into(dst, values)
+    else:
+        local = dst.to_local()
+        local.copy_(values.to(device=local.device, dtype=local.dtype))
 
 
 @torch.no_grad()
 def load_hf_checkpoint(
-    model: nn.Module, path: str | Path, *, family: str | None = None, strict: bool = True
+    model: nn.Module,
+    path: str | Path,
+    *,
+    family: str | None = None,
+    strict: bool = True,
+    stats: ReadStats | None = None,
 ) -> list[str]:
-    """Loads the safetensors checkpoint at ``path`` into ``model`` (plain, FSDP2 and/or EP-sharded DTensors).
+    """Loads the safetensors checkpoint at ``path`` into ``model`` (plain, FSDP2 and/or EP-sharded DTensors), each
+    rank reading only the regions it keeps.
 
     ``family`` defaults to ``model.config.family``. ``strict=False`` tolerates unexpected keys (missing keys and
-    shape mismatches always raise ``HFCheckpointError``). Returns the model tensor names it loaded.
+    shape mismatches always raise ``HFCheckpointError``). ``stats``: filled with the bytes read. Returns the model
+    tensor names it loaded.
     """
+    stats = stats if stats is not None else ReadStats()
     cfg: ModelConfig = model.config  # type: ignore[assignment]
     spec = hf_family(family or cfg.family)
     root = Path(path)
@@ -234,7 +320,11 @@ def load_hf_checkpoint(
             for piece in target.pieces:
                 if piece.file not in handles:
                     handles[piece.file] = stack.enter_context(safe_open(str(root / piece.file), framework="pt"))
-            copy_full_into(target.tensor, _assemble(target, handles))
+            region = _local_region(target.tensor)
+            stats.sharded += region is not None
+            stats.whole += region is None
+            values = _assemble(target, handles, region=region, stats=stats)
+            _copy_region_into(target.tensor, values, region=region)
     return [t.name for t in targets]
 
 
