@@ -21,8 +21,8 @@ only the region it keeps: a DTensor's local shard (dense weights sharded by FSDP
 EP and their FSDP mesh) is one box of the global tensor (``_local_region``), read with safetensors' lazy
 ``get_slice`` (per-expert Hub keys: only this rank's experts, only the rows it keeps). No communication, no full
 tensor on any device; replicated tensors (non-DTensor, or replicated placements) are read whole. ``ReadStats``
-counts the bytes each rank reads. Export gathers one tensor at a time with ``full_tensor()`` (a collective: every rank must call) and rank 0
-writes shards of at most ``max_shard_bytes``.
+counts the bytes each rank reads. Export gathers one tensor at a time to rank 0, each rank sending only its shard
+(a collective: every rank must call), and rank 0 writes shards of at most ``max_shard_bytes``.
 """
 
 from __future__ import annotations
@@ -428,6 +428,42 @@ class _ShardWriter:
         return final
 
 
+def _gather_to_writer(tensor: DTensor) -> torch.Tensor | None:
+    """The full tensor on rank 0 (None elsewhere), each rank sending only its shard: one ``gather`` of the boxes
+    (``_local_region``) and one of the shards, padded to the largest, instead of an all-gather that would put the
+    full tensor on every rank. Layouts without a box fall back to ``full_tensor()``. Collective over the world."""
+    region = _local_region(tensor)
+    boxes = torch.tensor([v for s in region for v in (s.start, s.stop)] if region else [], dtype=torch.int64)
+    local = tensor.to_local()
+    device = local.device
+    every_rank_has_a_box = torch.tensor([int(region is not None)], dtype=torch.int64, device=device)
+    dist.all_reduce(every_rank_has_a_box, op=dist.ReduceOp.MIN)  # every rank takes the same path
+    if not int(every_rank_has_a_box.item()):
+        full = tensor.full_tensor()
+        return full if dist.get_rank() == 0 else None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    numel = torch.tensor([local.numel()], dtype=torch.int64, device=device)
+    dist.all_reduce(numel, op=dist.ReduceOp.MAX)
+    flat = torch.zeros(int(numel), dtype=local.dtype, device=device)
+    flat[: local.numel()] = local.reshape(-1)
+    box_list = [torch.empty_like(boxes, device=device) for _ in range(world)] if rank == 0 else None
+    data_list = [torch.empty_like(flat) for _ in range(world)] if rank == 0 else None
+    dist.gather(boxes.to(device), box_list, dst=0)
+    dist.gather(flat, data_list, dst=0)
+    if rank != 0:
+        return None
+    full = torch.empty(tuple(tensor.shape), dtype=local.dtype)
+    for box, data in zip(box_list, data_list):
+        bounds = box.tolist()
+        slices = tuple(slice(bounds[i], bounds[i + 1]) for i in range(0, len(bounds), 2))
+        shape = tuple(s.stop - s.start for s in slices)
+        count = 1
+        for n in shape:
+            count *= n
+        full[slices] = data[:count].reshape(shape).cpu()
+    return full
+
+
 @torch.no_grad()
 def export_hf_checkpoint(
     model: nn.Module,
@@ -455,7 +491,7 @@ def export_hf_checkpoint(
     if writer is not None:
         out.mkdir(parents=True, exist_ok=True)
     for name, tensor in model_tensors(model).items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = _gather_to_writer(tensor) if isinstance(tensor, DTensor) else tensor
         if writer is None:
             continue
         if dtype is not None and name in params and full.is_floating_point():

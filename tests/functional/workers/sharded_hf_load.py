@@ -5,7 +5,8 @@ overrides through the production build (meshes -> model on meta -> parallelize: 
 empty and loads the checkpoint with ``load_hf_checkpoint``, counting the bytes this rank reads from the files
 (``ReadStats``) against the bytes of what it keeps (its local shards, plus replicated tensors, in the checkpoint's
 dtype). Then every rank loads the same checkpoint into an unsharded model and checks every parameter and buffer
-(the sharded one gathered with ``full_tensor()``) for equality. Rank 0 writes ``{"ranks": [{"rank", "bytes_read",
+(the sharded one gathered with ``full_tensor()``) for equality, and the sharded model is exported back to the Hub
+layout (bf16, as written) and compared with the input files byte for byte. Rank 0 writes ``{"ranks": [{"rank", "bytes_read",
 "bytes_kept", "checkpoint_bytes", "sharded", "whole"}], "mismatches": [...]}``.
 """
 
@@ -22,8 +23,9 @@ from torch.distributed.tensor import DTensor
 from nemo_ac.config import load_recipe, validate_recipe
 from nemo_ac.distributed.env import destroy_distributed, exit_process, init_distributed
 from nemo_ac.models import build_model
-from nemo_ac.models.hf.io import ReadStats, load_hf_checkpoint, model_tensors
+from nemo_ac.models.hf.io import ReadStats, export_hf_checkpoint, load_hf_checkpoint, model_tensors
 from nemo_ac.trainer.build import build_parallel_model, choose_kernels
+from tests.factories import read_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "tiny" / "glm_4_5_air_tiny.yaml"
@@ -85,10 +87,20 @@ def main(checkpoint: str, out_path: str, overrides: list[str]) -> int:
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if not torch.equal(full.cpu(), expected[name]):
             mismatches.append(name)
+    # Export from the sharded model (each rank sends rank 0 only its shards): the Hub files come back byte-identical.
+    exported = Path(out_path).parent / "exported"
+    export_hf_checkpoint(model, exported, dtype=torch.bfloat16)
+    export_mismatches = []
+    if env.rank == 0:
+        got, want = read_dir(exported), read_dir(root)
+        export_mismatches = sorted(set(got) ^ set(want)) + [
+            k for k in want if k in got and not torch.equal(got[k], want[k])
+        ]
     gathered: list = [None] * env.world_size
     dist.all_gather_object(gathered, mine)
     if env.rank == 0:
-        Path(out_path).write_text(json.dumps({"ranks": gathered, "mismatches": mismatches, "layout": str(layout)}))
+        result = {"ranks": gathered, "mismatches": mismatches, "export_mismatches": export_mismatches}
+        Path(out_path).write_text(json.dumps(result | {"layout": str(layout)}))
     destroy_distributed(synchronize=True)
     return 0
 
