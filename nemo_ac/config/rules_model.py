@@ -173,6 +173,21 @@ def check_data(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
             issues.append(ConfigIssue("data.path", "medpix needs a local path or HF dataset id"))
         if d.tokenizer in (None, "tiny"):
             issues.extend(_tiny_tokenizer_issues(recipe))
+    elif d.kind == "text":
+        if not d.path:
+            issues.append(
+                ConfigIssue("data.path", "text needs a JSONL / parquet file, a save_to_disk dir or an HF dataset id")
+            )
+        if d.seq_len < 8:
+            issues.append(ConfigIssue("data.seq_len", f"must be >= 8, got {d.seq_len}"))
+        if d.tokenizer in (None, "tiny") and m.vocab_size < _TINY_TOKENIZER_VOCAB:
+            issues.append(
+                ConfigIssue(
+                    "model.vocab_size",
+                    f"{m.vocab_size} is smaller than the tiny tokenizer's {_TINY_TOKENIZER_VOCAB} ids (data.tokenizer: "
+                    f"tiny); set model.vocab_size >= {_TINY_TOKENIZER_VOCAB}",
+                )
+            )
     return issues
 
 

@@ -292,24 +292,31 @@ class DataConfig:
     """Packed rows with document ids: a synthetic task or MedPix-VQA (nemo_ac/data/)."""
 
     # synthetic: generated toy-task documents packed into rows; medpix: (image, question, answer) rows for
-    # family qwen3_5_moe with a vision tower.
-    kind: Literal["synthetic", "medpix"] = "synthetic"
+    # family qwen3_5_moe with a vision tower; text: plain-text or chat documents from data.path, packed into rows
+    # of seq_len (nemo_ac/data/text.py).
+    kind: Literal["synthetic", "medpix", "text"] = "synthetic"
     # Synthetic task: documents "<bos> x1..xn <sep> f(x)" where f is reverse or copy.
     task: Literal["reverse", "copy", "sort"] = "reverse"
-    # Synthetic: tokens per row (the longest row when fixed_length is false); divisible by cp (ring: by 2 * cp).
+    # Synthetic and text: tokens per row (synthetic: the longest row when fixed_length is false); divisible by cp
+    # (ring: by 2 * cp).
     seq_len: int = 64
     min_doc_tokens: int = 4  # synthetic: fewest content tokens of a document (drawn uniformly up to max_doc_tokens)
     max_doc_tokens: int = 12  # synthetic: most content tokens of a document
     # Every micro batch packs to exactly seq_len (True) or to a varying multiple of pad_multiple (False).
     fixed_length: bool = True
     pad_multiple: int = 8  # synthetic, fixed_length false: row lengths are multiples of this in [seq_len/2, seq_len]
-    # medpix: local path (a save_to_disk dir, a dir of parquet/json files, or one such file), HF dataset id, or
-    # "synthetic[:N]" (N generated MedPix-shaped samples, nemo_ac.data.medpix_sample; default 48).
+    # medpix and text: local path (a save_to_disk dir, a dir of parquet/json files, or one such file) or HF dataset
+    # id; medpix also "synthetic[:N]" (N generated MedPix-shaped samples, nemo_ac.data.medpix_sample; default 48).
     path: str | None = None
-    split: str = "train"  # medpix: the dataset split to read
-    # medpix: None or "tiny" = the byte-level chat tokenizer shipped in nemo_ac.data.tiny_tokenizer (tiny recipes);
-    # otherwise an HF model id or dir whose AutoProcessor formats the chat, tokenizes and preprocesses images.
+    split: str = "train"  # medpix and text: the dataset split to read
+    # medpix and text: None or "tiny" = the byte-level chat tokenizer shipped in nemo_ac.data.tiny_tokenizer (262
+    # tokens; tiny recipes); otherwise an HF model id or dir (medpix: its AutoProcessor, which also preprocesses
+    # images; text: its AutoTokenizer and chat template).
     tokenizer: str | None = None
+    text_column: str = "text"  # text: the column with plain text (each row one document, EOS appended)
+    # text: the column with chat messages ([{"role", "content"}, ...]); when set, rows are chats and the loss covers
+    # only the assistant turns. Rows without an assistant turn are skipped (counted, with a warning).
+    messages_column: str | None = None
     max_length: int = 4096  # medpix: tokens per row (every row exactly this long); divisible by cp
     # medpix: pack several samples per row (document_ids/positions restart) or one sample per row, padded.
     packing: bool = True

@@ -143,7 +143,7 @@ def check_context_parallel(recipe: RecipeConfig, world_size: int) -> list[Config
                 )
             )
     divisor = 2 * par.cp if par.cp_type == "ring" else par.cp
-    if data.kind == "synthetic":
+    if data.kind in ("synthetic", "text"):
         if data.seq_len % divisor != 0:
             issues.append(
                 ConfigIssue(

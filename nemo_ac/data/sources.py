@@ -11,6 +11,7 @@ from __future__ import annotations
 from nemo_ac.config.schema import DataConfig, VisionConfig
 from nemo_ac.data.loader import SyntheticBatches
 from nemo_ac.data.medpix import MedPixBatches
+from nemo_ac.data.text import TextBatches
 
 
 def build_batches(
@@ -23,8 +24,9 @@ def build_batches(
     dp_rank: int,
     dp_size: int,
     seed: int,
-) -> SyntheticBatches | MedPixBatches:
-    """``data.kind: synthetic`` -> packed synthetic tasks; ``medpix`` -> MedPix-VQA chat documents with images."""
+) -> SyntheticBatches | MedPixBatches | TextBatches:
+    """``data.kind: synthetic`` -> packed synthetic tasks; ``medpix`` -> MedPix-VQA chat documents with images;
+    ``text`` -> plain-text or chat documents (``nemo_ac.data.text``)."""
     if data_cfg.kind == "medpix":
         return MedPixBatches(
             data_cfg,
@@ -35,8 +37,18 @@ def build_batches(
             dp_size=dp_size,
             seed=seed,
         )
+    if data_cfg.kind == "text":
+        return TextBatches(
+            data_cfg,
+            vocab_size=vocab_size,
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=seed,
+        )
     if data_cfg.kind != "synthetic":
-        raise ValueError(f"data.kind: unknown {data_cfg.kind!r}; use synthetic or medpix")
+        raise ValueError(f"data.kind: unknown {data_cfg.kind!r}; use synthetic, medpix or text")
     return SyntheticBatches(
         data_cfg,
         vocab_size=vocab_size,

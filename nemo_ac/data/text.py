@@ -1,0 +1,278 @@
+"""``data.kind: text``: plain-text or chat documents from JSONL, parquet, a ``save_to_disk`` directory or a Hub
+dataset id, tokenized once, packed into rows with document ids.
+
+The packing contract is the synthetic and MedPix one (``nemo_ac.data.loader``): the global batch of step ``s`` is a
+pure function of ``(seed, s)``, micro batch ``k`` of dp rank ``r`` holds global rows ``[(k * dp + r) * mb, ...)``,
+and the position is the next step index (``state_dict``), so a resumed run reads exactly the rows the uninterrupted
+run would have read, in any parallel layout that keeps ``micro_batch_size * dp`` fixed.
+
+How rows are made: every document is tokenized once (its tokens and a target mask: every token for plain text,
+the assistant turns' tokens for chat, so the loss covers only what the assistant says). Epoch ``e`` orders the
+documents by a permutation seeded from ``(seed, e)`` and concatenates them into one token stream; row ``i`` of the
+epoch is the stream's tokens ``[i * seq_len, (i + 1) * seq_len)``, so nothing is padded and nothing is dropped
+except the epoch's last partial row. A document cut by a row boundary continues in the next row as a new document
+(positions restart, as for every document start). ``position_ids`` restart at each document start,
+``document_ids`` number the row's documents, ``labels[t] = input_ids[t + 1]`` where ``t + 1`` is in the same
+document and a target.
+
+Bad input (before training starts; ``TextDataError`` names the key): a missing column, an empty dataset, a
+tokenizer larger than ``model.vocab_size``. Counted skips with one warning each (what users expect of real data):
+chat rows without an assistant turn, empty texts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.config.schema import DataConfig
+from nemo_ac.data.batch import IGNORE_INDEX, PackedBatch
+from nemo_ac.data.loader import stream_seed
+from nemo_ac.data.packing import stack_rows
+from nemo_ac.data.tiny_tokenizer import TinyChatTokenizer
+
+_EPOCH_STREAM = 4
+
+
+@dataclass
+class TokenizedDocument:
+    tokens: list[int]
+    targets: list[bool]  # token t is a loss target (predicted from t - 1)
+
+
+class _TinyText:
+    """The shipped byte-level tokenizer: plain text ends with ``<|im_end|>``; chat turns in its ChatML layout."""
+
+    def __init__(self) -> None:
+        self.tok = TinyChatTokenizer()
+        self.vocab_size = self.tok.vocab_size
+
+    def plain(self, text: str) -> TokenizedDocument:
+        tokens = [*self.tok.encode(text), self.tok.im_end_id]
+        return TokenizedDocument(tokens, [True] * len(tokens))
+
+    def chat(self, messages: Sequence[dict[str, str]]) -> TokenizedDocument:
+        tokens: list[int] = []
+        targets: list[bool] = []
+        for message in messages:
+            head = [self.tok.im_start_id, *self.tok.encode(f"{message['role']}\n")]
+            body = [*self.tok.encode(message["content"]), self.tok.im_end_id]
+            assistant = message["role"] == "assistant"
+            tokens += head + body + self.tok.encode("\n")
+            targets += [False] * len(head) + [assistant] * len(body) + [False]
+        return TokenizedDocument(tokens, targets)
+
+
+class _HFText:
+    """A Hugging Face tokenizer: plain text gets its EOS appended; chat uses its chat template, and the assistant
+    turns are found by rendering the conversation up to each turn (the generation prompt marks where it starts)."""
+
+    def __init__(self, name: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(name)
+        self.vocab_size = len(self.tok)
+
+    def plain(self, text: str) -> TokenizedDocument:
+        tokens = list(self.tok(text, add_special_tokens=True)["input_ids"])
+        if self.tok.eos_token_id is not None:
+            tokens.append(self.tok.eos_token_id)
+        return TokenizedDocument(tokens, [True] * len(tokens))
+
+    def _render(self, messages: Sequence[dict[str, str]], *, prompt: bool) -> list[int]:
+        out = self.tok.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=prompt)
+        return list(out["input_ids"] if isinstance(out, dict) else out)
+
+    def chat(self, messages: Sequence[dict[str, str]]) -> TokenizedDocument:
+        tokens = self._render(messages, prompt=False)
+        targets = [False] * len(tokens)
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start = len(self._render(messages[:i], prompt=True))
+            end = len(self._render(messages[: i + 1], prompt=False))
+            for t in range(start, min(end, len(tokens))):
+                targets[t] = True
+        return TokenizedDocument(tokens, targets)
+
+
+def build_text_tokenizer(name: str | None) -> _TinyText | _HFText:
+    """``data.tokenizer`` None / "tiny": the shipped byte-level tokenizer (vocab 262); else an HF id or dir."""
+    return _TinyText() if name in (None, "tiny") else _HFText(name)
+
+
+def _fail(key: str, message: str) -> ConfigError:
+    return ConfigError(ConfigIssue(key, message))
+
+
+def tokenize_documents(rows: Any, cfg: DataConfig, tokenizer: _TinyText | _HFText) -> list[TokenizedDocument]:
+    """Every usable row as a tokenized document; counted skips warned once."""
+    column = cfg.messages_column or cfg.text_column
+    key = "data.messages_column" if cfg.messages_column else "data.text_column"
+    names = list(getattr(rows, "column_names", None) or (rows[0].keys() if len(rows) else []))
+    if not len(rows):
+        raise _fail("data.path", f"{cfg.path!r} holds no rows (split {cfg.split!r}); point data.path at a dataset")
+    if column not in names:
+        raise _fail(key, f"column {column!r} is not in {cfg.path!r} (columns: {names}); set {key} to one of them")
+    docs: list[TokenizedDocument] = []
+    skipped = {"empty text": 0, "no assistant turn": 0}
+    for row in rows:
+        value = row[column]
+        if cfg.messages_column:
+            if not any(m.get("role") == "assistant" for m in value or []):
+                skipped["no assistant turn"] += 1
+                continue
+            docs.append(tokenizer.chat(value))
+        else:
+            if not value:
+                skipped["empty text"] += 1
+                continue
+            docs.append(tokenizer.plain(value))
+    for reason, count in skipped.items():
+        if count:
+            warnings.warn(f"data.kind text: skipped {count} row(s) of {cfg.path!r}: {reason}", stacklevel=2)
+    if not docs:
+        raise _fail(key, f"no usable rows in {cfg.path!r} ({skipped}); check {key}")
+    return docs
+
+
+def _load_rows_once_per_node(cfg: DataConfig) -> Any:
+    """The dataset's rows. A Hub id is fetched by local rank 0 of each node first (the others wait at a barrier,
+    then read the filled ``datasets`` cache), so a node downloads it once."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from nemo_ac.data.medpix import load_medpix_dataset as load_rows  # the same local / Hub dataset reader
+
+    if cfg.path is None:
+        raise _fail(
+            "data.path", "data.kind text needs data.path (a JSONL / parquet file, a save_to_disk dir or a Hub id)"
+        )
+    remote = not Path(cfg.path).exists()
+    if remote and dist.is_available() and dist.is_initialized():
+        rows = load_rows(cfg.path, cfg.split)[0] if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+        dist.barrier()
+        return rows if rows is not None else load_rows(cfg.path, cfg.split)[0]
+    return load_rows(cfg.path, cfg.split)[0]
+
+
+class TextBatches:
+    """Per-step micro batches of packed text documents for one data-parallel rank (``SyntheticBatches``'s
+    interface: ``batches_for_step``, iteration from the resume point, ``state_dict`` / ``load_state_dict``)."""
+
+    def __init__(
+        self,
+        data_cfg: DataConfig,
+        *,
+        vocab_size: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        documents: list[TokenizedDocument] | None = None,
+    ) -> None:
+        per_rank, remainder = divmod(global_batch_size, dp_size)
+        if remainder or per_rank % micro_batch_size:
+            raise ValueError(f"global_batch_size={global_batch_size} does not split into dp={dp_size} x mb")
+        self.cfg = data_cfg
+        self.seq_len = data_cfg.seq_len
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.grad_accum_steps = per_rank // micro_batch_size
+        if documents is None:
+            tokenizer = build_text_tokenizer(data_cfg.tokenizer)
+            if tokenizer.vocab_size > vocab_size:
+                raise _fail(
+                    "model.vocab_size",
+                    f"{vocab_size} is smaller than data.tokenizer's {tokenizer.vocab_size} tokens; set "
+                    f"model.vocab_size >= {tokenizer.vocab_size} or use the model's own tokenizer",
+                )
+            documents = tokenize_documents(_load_rows_once_per_node(data_cfg), data_cfg, tokenizer)
+        self.documents = documents
+        self.total_tokens = sum(len(d.tokens) for d in documents)
+        self.rows_per_epoch = self.total_tokens // self.seq_len
+        if self.rows_per_epoch < 1:
+            raise _fail(
+                "data.seq_len",
+                f"{self.seq_len} is longer than all of {data_cfg.path!r} ({self.total_tokens} tokens); lower it",
+            )
+        self._epochs: dict[int, tuple[list[int], list[int]]] = {}
+        self.next_step = 0
+
+    def _epoch(self, epoch: int) -> tuple[list[int], list[int]]:
+        """(document order, cumulative token starts) of ``epoch``."""
+        if epoch not in self._epochs:
+            g = torch.Generator().manual_seed(stream_seed(self.seed, epoch, _EPOCH_STREAM))
+            order = torch.randperm(len(self.documents), generator=g).tolist()
+            starts, total = [], 0
+            for index in order:
+                starts.append(total)
+                total += len(self.documents[index].tokens)
+            self._epochs = {epoch: (order, starts)}  # one epoch at a time: rows never go back
+        return self._epochs[epoch]
+
+    def row(self, global_row: int) -> dict[str, torch.Tensor]:
+        """Global row ``global_row`` of the run (independent of rank and layout)."""
+        epoch, index = divmod(global_row, self.rows_per_epoch)
+        order, starts = self._epoch(epoch)
+        begin, end = index * self.seq_len, (index + 1) * self.seq_len
+        d = bisect.bisect_right(starts, begin) - 1
+        ids: list[int] = []
+        targets: list[bool] = []
+        pos: list[int] = []
+        doc: list[int] = []
+        cursor, number = begin, 0
+        while cursor < end:
+            document = self.documents[order[d]]
+            offset = cursor - starts[d]
+            take = min(len(document.tokens) - offset, end - cursor)
+            ids += document.tokens[offset : offset + take]
+            targets += document.targets[offset : offset + take]
+            pos += range(take)
+            doc += [number] * take
+            cursor += take
+            number += 1
+            d += 1
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        document_ids = torch.tensor(doc, dtype=torch.long)
+        is_target = torch.tensor(targets, dtype=torch.bool)
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        keep = (document_ids[1:] == document_ids[:-1]) & is_target[1:]
+        labels[:-1] = torch.where(keep, input_ids[1:], labels[:-1])
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": torch.tensor(pos, dtype=torch.long),
+            "document_ids": document_ids,
+        }
+
+    def batches_for_step(self, step: int) -> list[PackedBatch]:
+        mb = self.micro_batch_size
+        first_row = step * self.global_batch_size
+        return [
+            stack_rows([self.row(first_row + (k * self.dp_size + self.dp_rank) * mb + i) for i in range(mb)])
+            for k in range(self.grad_accum_steps)
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_step": self.next_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_step = int(state["next_step"])
+
+    def __iter__(self) -> Iterator[list[PackedBatch]]:
+        return self
+
+    def __next__(self) -> list[PackedBatch]:
+        batches = self.batches_for_step(self.next_step)
+        self.next_step += 1
+        return batches
