@@ -89,7 +89,7 @@ def check_checkpoint_paths(config: CheckpointConfig) -> list[ConfigIssue]:
         start = files.step_of(Path(config.resume)) or 0
     if not config.enabled or config.resume == "auto":
         return []
-    complete, _ = files.complete_checkpoints(Path(config.dir))
+    complete, _ = files.complete_checkpoints(files.root_of(config))
     ahead = sorted(step for step in complete if step > start)
     if not ahead:
         return []
@@ -232,7 +232,7 @@ class Checkpointer:
         if not dist.is_initialized():
             raise RuntimeError("Checkpointer needs an initialized process group (a world of one is fine)")
         self.config = config
-        self.root = Path(config.dir)
+        self.root = files.root_of(config)
         self.total_steps = total_steps
         self.recipe = recipe
         self.device = device
