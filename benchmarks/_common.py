@@ -87,7 +87,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for record in records if "event" not in record]  # start/stop markers are no step records
 
 
 def launch_train(

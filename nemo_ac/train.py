@@ -2,6 +2,9 @@
 
 recipe -> validate (before any process group) -> init dist -> build (nemo_ac.trainer.build: meshes -> model on meta ->
 parallelize -> materialize -> freeze -> optimizer/data) -> restore -> loop -> export -> summary.
+
+SIGTERM / SIGINT: every rank finishes the current step, step N is saved (checkpoint.enabled), the summary written,
+one line printed, exit code 0; a second signal exits at once with 128 + signum (nemo_ac.trainer.stop).
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from nemo_ac.diagnostics.recompiles import CompileAccounting
 from nemo_ac.distributed.env import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env
 from nemo_ac.trainer.build import build_trainer, build_training
 from nemo_ac.trainer.checkpoint import Checkpointer, TrainingState, check_checkpoint_paths
+from nemo_ac.trainer.checkpoint_files import step_dir
 from nemo_ac.trainer.hf_weights import check_hf_weights, export_final_hf
 from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics
+from nemo_ac.trainer.stop import StopSignal, signal_name
 from nemo_ac.workarounds.rendezvous_shared_store import elastic_restart_hazard
 
 
@@ -46,7 +51,11 @@ def load_and_validate(
     return recipe, layout
 
 
-def run(recipe: RecipeConfig, layout: ParallelLayout, env: DistEnv) -> list[StepMetrics]:
+def run(
+    recipe: RecipeConfig, layout: ParallelLayout, env: DistEnv, stop: StopSignal | None = None
+) -> list[StepMetrics]:
+    """Build, restore, train, export, summarize. ``stop`` (installed by ``main``): a SIGTERM / SIGINT ends the
+    loop on every rank after the same step, which is then saved (``finish_on_signal``)."""
     setup = build_training(recipe, layout, device=env.device)
     model, plan = setup.model, setup.plan
     # Per-thread compile / recompile / graph-break counts in every step's metrics; warns on eager fallbacks.
@@ -89,7 +98,24 @@ def run(recipe: RecipeConfig, layout: ParallelLayout, env: DistEnv) -> list[Step
         metric_sources.update(offloader.metric_sources())
     trainer = build_trainer(setup, logger=logger, metric_sources=metric_sources)
     trainer.step = resumed_step
-    history = trainer.fit(on_step_end=lambda step: checkpointer.on_step_end(step, state))
+    history = trainer.fit(
+        on_step_end=lambda step: checkpointer.on_step_end(step, state),
+        should_stop=(lambda: stop.agreed(env.device)) if stop is not None else None,
+    )
+    if stop is not None and stop.signum:
+        message = save_on_signal(
+            recipe,
+            signum=stop.signum,
+            step=trainer.step,
+            resumed_step=resumed_step,
+            checkpointer=checkpointer,
+            state=state,
+        )
+        logger.event("stop", signal=signal_name(stop.signum), at_step=trainer.step)
+        logger.summary({"resumed_from_step": resumed_step, "stopped_by": signal_name(stop.signum)})
+        if env.is_main:
+            print(message, file=sys.stderr, flush=True)
+        return history
     if recipe.checkpoint.export_hf:
         exported = export_final_hf(model, config=recipe.checkpoint)
         if env.is_main:
@@ -104,6 +130,27 @@ def run(recipe: RecipeConfig, layout: ParallelLayout, env: DistEnv) -> list[Step
     return history
 
 
+def save_on_signal(
+    recipe: RecipeConfig,
+    *,
+    signum: int,
+    step: int,
+    resumed_step: int,
+    checkpointer: Checkpointer,
+    state: TrainingState,
+) -> str:
+    """Save step ``step`` after a signal stopped the loop (unless it is saved already, or checkpointing is off)
+    and return the one line the run ends with."""
+    head = f"nemo_ac: {signal_name(signum)} at step {step}"
+    if not recipe.checkpoint.enabled:
+        return f"{head}: checkpointing is off (checkpoint.enabled=false), nothing saved; exiting"
+    if step == resumed_step:
+        return f"{head}: no step finished since the start, nothing new to save; exiting"
+    path = step_dir(checkpointer.root, step) if checkpointer.should_save(step) else checkpointer.save(step, state)
+    how = "rerun the same command" if recipe.checkpoint.resume == "auto" else "resume with checkpoint.resume=auto"
+    return f"{head}: checkpoint saved to {path}; {how} to continue"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -114,14 +161,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     hazard = elastic_restart_hazard()
     if hazard and os.environ.get("RANK", "0") == "0":
         print(f"nemo_ac WARNING: {hazard}", file=sys.stderr, flush=True)
+    stop = StopSignal().install()  # before the process group: a signal during start-up stops before step 1
     env = init_distributed(recipe.dist)
     try:
-        run(recipe, layout, env)
+        run(recipe, layout, env, stop)
     except BaseException:
         destroy_distributed(synchronize=False)
         raise
     destroy_distributed()
-    return 0
+    return 0  # also after a SIGTERM / SIGINT stop, whose state is saved (nemo_ac.trainer.stop says why)
 
 
 if __name__ == "__main__":

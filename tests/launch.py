@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_ac.trainer.metrics import step_records
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 
@@ -77,7 +79,7 @@ def run_recipe(
     result = RunResult(returncode=proc.returncode, output=proc.stdout + proc.stderr, run_dir=run_dir)
     metrics_file = run_dir / "metrics.jsonl"
     if metrics_file.exists():
-        result.metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+        result.metrics = step_records(metrics_file)  # the latest run's step records (start/stop events left out)
     summary_file = run_dir / "summary.json"
     if summary_file.exists():
         result.summary = json.loads(summary_file.read_text())

@@ -62,7 +62,15 @@ def recipe_from_container(data: DictConfig | dict[str, Any], *, source: str | No
     recipe = _convert(RecipeConfig, data, "", issues)
     if issues:
         raise ConfigError(issues, source=source)
-    return typing.cast(RecipeConfig, recipe)
+    return resolve_paths(typing.cast(RecipeConfig, recipe))
+
+
+def resolve_paths(recipe: RecipeConfig) -> RecipeConfig:
+    """Fill the paths whose default depends on another key (in place; returns ``recipe``): ``checkpoint.dir`` null
+    or empty -> ``<logging.run_dir>/checkpoints``. An explicit ``checkpoint.dir`` is kept as written."""
+    if not recipe.checkpoint.dir:
+        recipe.checkpoint.dir = str(Path(recipe.logging.run_dir) / "checkpoints")
+    return recipe
 
 
 def to_dict(recipe: RecipeConfig) -> dict[str, Any]:

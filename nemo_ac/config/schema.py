@@ -383,9 +383,12 @@ class TrainConfig:
 class CheckpointConfig:
     """DCP checkpoints under ``dir``/step_<N>/ (see nemo_ac/trainer/checkpoint.py and docs/checkpoints.md)."""
 
-    # Save (every_n_steps and at the last step). Resuming works whether or not this run saves.
+    # Save (every_n_steps, at the last step, and when SIGTERM/SIGINT stops the run). Resuming works whether or not
+    # this run saves. The flagship recipes turn it on; the tiny ones leave it off.
     enabled: bool = False
-    dir: str = "runs/checkpoints"  # holds step_<N>/ checkpoints, the latest pointer and .step_<N>.partial/ saves
+    # Holds step_<N>/ checkpoints, the latest pointer and .step_<N>.partial/ saves. null: <logging.run_dir>/checkpoints
+    # (resolved when the recipe is loaded), so every run directory has its own checkpoints.
+    dir: str | None = None
     # 0: save only at the end.
     every_n_steps: int = 0
     # Complete checkpoints to keep; older ones are deleted after a new one is published.

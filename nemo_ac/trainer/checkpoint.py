@@ -38,6 +38,7 @@ from nemo_ac.config.errors import ConfigIssue
 from nemo_ac.config.schema import CheckpointConfig
 from nemo_ac.trainer import checkpoint_files as files
 from nemo_ac.trainer.checkpoint_files import CheckpointError
+from nemo_ac.trainer.optim import builtin_lr, rebase_schedule, schedule_changes
 
 __all__ = [
     "CheckpointError",
@@ -51,7 +52,8 @@ _MAX_LISTED = 8
 
 
 class CheckpointWarning(UserWarning):
-    """A checkpoint was skipped (partial or incomplete) or the ``latest`` pointer disagreed with the directory."""
+    """A checkpoint was skipped (partial or incomplete), the ``latest`` pointer disagreed with the directory, or a
+    resume changes the LR schedule."""
 
 
 class Stateful(Protocol):
@@ -89,7 +91,7 @@ def check_checkpoint_paths(config: CheckpointConfig) -> list[ConfigIssue]:
         start = files.step_of(Path(config.resume)) or 0
     if not config.enabled or config.resume == "auto":
         return []
-    complete, _ = files.complete_checkpoints(Path(config.dir))
+    complete, _ = files.complete_checkpoints(files.root_of(config))
     ahead = sorted(step for step in complete if step > start)
     if not ahead:
         return []
@@ -232,7 +234,7 @@ class Checkpointer:
         if not dist.is_initialized():
             raise RuntimeError("Checkpointer needs an initialized process group (a world of one is fine)")
         self.config = config
-        self.root = Path(config.dir)
+        self.root = files.root_of(config)
         self.total_steps = total_steps
         self.recipe = recipe
         self.device = device
@@ -342,6 +344,32 @@ class Checkpointer:
         path = self.resolve_resume()
         return 0 if path is None else self.load(path, state)
 
+    def _continue_schedule(self, manifest: dict[str, Any], state: TrainingState, step: int) -> None:
+        """A checkpoint made with another LR schedule (train.steps, warmup_steps, lr, min_lr_ratio, scheduler): warn
+        naming both values; with the built-in warmup + cosine, continue on this recipe's schedule evaluated at the
+        restored step (``optim.rebase_schedule``). A custom ``train.scheduler`` keeps its restored state."""
+        saved, current = manifest.get("recipe", {}).get("train", {}), self.recipe.get("train", {})
+        changes = schedule_changes(saved, current)
+        if not changes:
+            return
+        builtin = saved.get("scheduler") is None and current.get("scheduler") is None
+        if builtin and isinstance(state.scheduler, torch.optim.lr_scheduler.LambdaLR):
+            rebase_schedule(state.scheduler, state.optimizer, lr=current["lr"])
+            how = (
+                f"the LR continues on this recipe's schedule: step {step + 1} lr {builtin_lr(step, current):.3e} "
+                f"(the checkpoint's schedule would give {builtin_lr(step, saved):.3e})"
+            )
+        else:
+            how = (
+                "train.scheduler is custom: its state is restored as saved, the recipe's schedule keys are not applied"
+            )
+        if _rank() == 0:
+            warnings.warn(
+                f"resuming step {step} with a changed LR schedule ({'; '.join(changes)}); {how}",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+
     def load(self, path: Path, state: TrainingState) -> int:
         """Verify ``path`` (every file against the manifest, in parallel over ranks), check that its tensors fit
         this model and optimizer, load it, and return its step."""
@@ -397,6 +425,7 @@ class Checkpointer:
             options=self.options,
         )
         state.scheduler.load_state_dict(sd["scheduler"])
+        self._continue_schedule(manifest, state, step)
         state.data.load_state_dict(sd["data"])
         _set_rng_state(sd["rng"][rng_key], self.device)
         if _rank() == 0:

@@ -44,6 +44,16 @@ class CheckpointError(RuntimeError):
     """
 
 
+def root_of(config: Any) -> Path:
+    """``checkpoint.dir`` as a path; ``load_recipe`` resolves its null default to ``<logging.run_dir>/checkpoints``."""
+    if not config.dir:
+        raise ValueError(
+            "checkpoint.dir is unset: load the recipe with nemo_ac.config.load_recipe (or call "
+            "nemo_ac.config.load.resolve_paths), which resolves it to <logging.run_dir>/checkpoints"
+        )
+    return Path(config.dir)
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step}"
 

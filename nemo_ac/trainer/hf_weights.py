@@ -35,6 +35,7 @@ from nemo_ac.models.hf import (
     resolve_pretrained,
 )
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.trainer.checkpoint_files import root_of
 
 # ModelConfig fields (dotted below model.) that neither shape a weight nor change the forward math.
 IGNORED_FIELDS = frozenset(
@@ -157,7 +158,7 @@ def materialize_weights(model: nn.Module, *, model_config: ModelConfig, device: 
 
 
 def export_dir(config: CheckpointConfig) -> Path:
-    return Path(config.export_hf_dir) if config.export_hf_dir else Path(config.dir) / "hf"
+    return Path(config.export_hf_dir) if config.export_hf_dir else root_of(config) / "hf"
 
 
 def export_final_hf(model: nn.Module, *, config: CheckpointConfig) -> Path:

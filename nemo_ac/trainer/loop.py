@@ -23,6 +23,7 @@ from nemo_ac.distributed.fsdp import set_gradient_sync
 from nemo_ac.trainer.loss import compute_loss
 from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics, peak_memory_gib
 from nemo_ac.trainer.optim import clip_grad_norm_
+from nemo_ac.trainer.stop import maybe_signal_self
 
 
 @dataclass
@@ -197,15 +198,26 @@ class Trainer:
             return next(self.data)
         return self.data.batches_for_step(self.step)
 
-    def fit(self, *, on_step_end: Callable[[int], None] | None = None) -> list[StepMetrics]:
-        """Train from ``self.step`` (0, or the step a checkpoint restored) to ``options.steps``."""
+    def fit(
+        self,
+        *,
+        on_step_end: Callable[[int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[StepMetrics]:
+        """Train from ``self.step`` (0, or the step a checkpoint restored) to ``options.steps``.
+
+        ``should_stop`` is asked before each step (``StopSignal.agreed``: the same answer on every rank); True ends
+        the loop after the step already finished."""
         while self.step < self.options.steps:
+            if should_stop is not None and should_stop():
+                break
             metrics = self.train_step()
             self.logger.log(metrics)
             if on_step_end is not None:
                 on_step_end(self.step)
             if self.options.fail_after_step and self.step == self.options.fail_after_step:
                 inject_failure(self.step)
+            maybe_signal_self(self.step)
         return self.logger.history
 
 

@@ -49,27 +49,60 @@ class StepMetrics:
         return data
 
 
-def _records_through(path: Path, step: int) -> str:
-    """The JSONL lines of ``path`` whose step is <= ``step`` (empty for a fresh run or a missing file)."""
-    if step <= 0 or not path.exists():
+def _is_fresh_start(record: Any) -> bool:
+    return isinstance(record, dict) and record.get("event") == "start" and not record.get("resumed_from_step")
+
+
+def _kept_lines(path: Path, resumed_from_step: int) -> str:
+    """What stays of an existing ``path`` when a run starts: every earlier record (earlier runs in this run_dir are
+    never truncated), except, on a resume from step k, the current timeline's records of steps > k (they are trained
+    again) and a line cut short by a crash. The current timeline begins at the last fresh-start marker (a file
+    written before markers existed is one timeline)."""
+    if not path.exists():
         return ""
+    parsed = []
+    for line in path.read_text().splitlines():
+        try:
+            parsed.append((line, json.loads(line)))
+        except ValueError:  # a line cut short by the crash that made this a resume
+            continue
+    begins = max((i for i, (_, record) in enumerate(parsed) if _is_fresh_start(record)), default=-1)
     kept = []
+    for i, (line, record) in enumerate(parsed):
+        step = record.get("step") if isinstance(record, dict) and "event" not in record else None
+        if resumed_from_step and i > begins and isinstance(step, int) and step > resumed_from_step:
+            continue
+        kept.append(line + "\n")
+    return "".join(kept)
+
+
+def step_records(path: str | Path) -> list[dict[str, Any]]:
+    """The per-step records of the latest run in ``path`` (a metrics.jsonl): the records after its last fresh-start
+    marker (``{"event": "start", "resumed_from_step": 0}``), resumed attempts included, events left out."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
-        except ValueError:  # a line cut short by the crash that made this a resume
+        except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-            kept.append(line + "\n")
-    return "".join(kept)
+        if _is_fresh_start(record):
+            records = []
+        elif isinstance(record, dict) and "event" not in record and "step" in record:
+            records.append(record)
+    return records
 
 
 class MetricsLogger:
     """Writes on rank 0 only; other ranks construct it with ``enabled=False``.
 
-    ``resumed_from_step``: a run resumed from a checkpoint of that step keeps the earlier attempts' JSONL records of
-    steps <= it and appends, so metrics.jsonl tells the whole curve once; records of later steps are dropped,
-    because those steps are trained again.
+    metrics.jsonl is never truncated: every start appends a marker ``{"event": "start", "resumed_from_step": k, ...}``
+    after what is there. ``resumed_from_step`` k > 0: a run resumed from a checkpoint of step k drops the current
+    run's records of steps > k (they are trained again), so the run's records tell its whole curve once;
+    ``step_records`` reads them back. k = 0 (a fresh start, also ``resume: auto`` with nothing to resume) keeps
+    earlier runs' records before its marker.
     """
 
     def __init__(
@@ -95,7 +128,15 @@ class MetricsLogger:
         if enabled and jsonl:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             self.jsonl_path = Path(run_dir) / "metrics.jsonl"
-            self.jsonl_path.write_text(_records_through(self.jsonl_path, resumed_from_step))
+            kept = _kept_lines(self.jsonl_path, resumed_from_step)
+            self.jsonl_path.write_text(kept)
+            self.event("start", resumed_from_step=resumed_from_step, total_steps=total_steps, time_unix=time.time())
+
+    def event(self, name: str, **fields: Any) -> None:
+        """Append ``{"event": name, **fields}`` to metrics.jsonl (rank 0; readers of step records skip events)."""
+        if self.enabled and self.jsonl_path is not None:
+            with self.jsonl_path.open("a") as handle:
+                handle.write(json.dumps({"event": name, **fields}) + "\n")
 
     def log(self, metrics: StepMetrics) -> None:
         self.history.append(metrics)

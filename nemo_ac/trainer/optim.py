@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,6 +50,44 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> to
             step, warmup_steps=config.warmup_steps, total_steps=config.steps, min_lr_ratio=config.min_lr_ratio
         ),
     )
+
+
+SCHEDULE_KEYS = ("steps", "warmup_steps", "lr", "min_lr_ratio", "scheduler")
+
+
+def schedule_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``train.<key>: checkpoint A, recipe B`` for each LR-schedule key that differs (``saved`` / ``current``: the
+    ``train`` section of the checkpoint's recipe and of this run's). Keys the checkpoint lacks are not compared."""
+    return [
+        f"train.{key}: checkpoint {saved[key]!r}, recipe {current.get(key)!r}"
+        for key in SCHEDULE_KEYS
+        if key in saved and saved[key] != current.get(key)
+    ]
+
+
+def builtin_lr(step: int, train: dict[str, Any]) -> float:
+    """The built-in schedule's LR for the step after ``step`` completed steps, from a ``train`` section dict."""
+    return train["lr"] * warmup_cosine(
+        step, warmup_steps=train["warmup_steps"], total_steps=train["steps"], min_lr_ratio=train["min_lr_ratio"]
+    )
+
+
+def rebase_schedule(
+    scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer, *, lr: float
+) -> None:
+    """After ``load_state_dict`` of a checkpoint made with another schedule: continue on this run's schedule.
+
+    The restored LambdaLR keeps the checkpoint's ``base_lrs`` (so a changed ``train.lr`` would be ignored) and the
+    optimizer keeps the checkpoint's current LR for the next step, after which the new lambda jumps in: the LR
+    the issue measured (old value, then the new schedule scaled by the old peak). Here ``base_lrs`` become this
+    run's ``lr`` and every group's LR this run's schedule at the restored step, so the next step already follows it.
+    """
+    step = scheduler.last_epoch
+    scheduler.base_lrs = [lr for _ in optimizer.param_groups]
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(step)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nemo_ac.trainer.loop import LoopOptions, Trainer, inject_failure
-from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics
+from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics, step_records
 from nemo_ac.workarounds.rendezvous_shared_store import elastic_restart_hazard
 
 
@@ -73,11 +73,14 @@ def test_resumed_metrics_keep_earlier_steps_and_drop_the_ones_trained_again(tmp_
     resumed.log(metrics(5, 4.5))
     resumed.log(metrics(6, 4.0))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["loss"]) for r in records] == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 4.5), (6, 4.0)]
+    steps = [(r["step"], r["loss"]) for r in records if "event" not in r]
+    assert steps == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 4.5), (6, 4.0)]
+    assert [r["resumed_from_step"] for r in records if r.get("event") == "start"] == [0, 4]
     fresh = MetricsLogger(
         run_dir=str(tmp_path), total_steps=6, enabled=True, jsonl=True, progress_bar="never", log_every=1
     )
-    assert fresh.jsonl_path.read_text() == ""  # a run that did not resume starts a new curve
+    assert step_records(fresh.jsonl_path) == []  # a run that did not resume starts a new curve ...
+    assert len(fresh.jsonl_path.read_text().splitlines()) == len(records) + 1  # ... after the earlier ones
 
 
 class _Position:
