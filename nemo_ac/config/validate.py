@@ -9,6 +9,7 @@ separately verifies that the optional extras a recipe asks for are importable.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -286,6 +287,14 @@ def check_extensions(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]
                     f"extensions.allow[{i}]",
                     f"{prefix!r} is not a module prefix; give a dotted module path ending in '.' ('mypkg.': every "
                     "module under mypkg) or a full module path ('mypkg.optim': that module and its submodules)",
+                )
+            )
+        elif parts[0] in sys.stdlib_module_names:
+            issues.append(
+                ConfigIssue(
+                    f"extensions.allow[{i}]",
+                    f"{prefix!r} is in the Python standard library; extensions.allow is for your own modules (an "
+                    "optimizer, scheduler or batch source): list their package, e.g. 'mypkg.'",
                 )
             )
     data = recipe.data

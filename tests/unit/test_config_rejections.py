@@ -389,6 +389,12 @@ ROWS = [
     ),
     row(
         "check_extensions",
+        ["extensions.allow=[os.]"],
+        "extensions.allow[0]",
+        r"'os.' is in the Python standard library; extensions.allow is for your own modules",
+    ),
+    row(
+        "check_extensions",
         ["+data.source._target_=mypkg.data.Batches"],
         "data.source._target_",
         r"'mypkg.data.Batches' is outside .*add its prefix to extensions.allow",
