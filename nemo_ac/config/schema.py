@@ -428,7 +428,7 @@ class ExtensionsConfig:
 
     # Module prefixes allowed besides the built-in torch.optim. and nemo_ac.: "mypkg." allows every module under
     # mypkg; a module path without the trailing dot ("mypkg.optim") allows that module and its submodules only. The
-    # module must be importable on every node (installed, or on PYTHONPATH).
+    # module must be importable on every node (installed, or on PYTHONPATH). Standard-library prefixes are refused.
     allow: list[str] = field(default_factory=list)
 
 
