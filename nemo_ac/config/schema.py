@@ -330,6 +330,12 @@ class DataConfig:
     # pixel count in [min, max]); 0 keeps the processor's own setting (tiny tokenizer: one merged token .. 32*32).
     image_min_pixels: int = 0
     image_max_pixels: int = 0  # medpix: upper pixel budget of an image (see image_min_pixels); 0 keeps the default
+    # Your own batch source: {"_target_": "mypkg.data.MyBatches", ...} (a _target_ under nemo_ac. or a prefix in
+    # extensions.allow), called with data_cfg, vocab_size, global_batch_size, micro_batch_size, dp_rank, dp_size and
+    # seed (the mapping's other keys override or add keyword arguments). It returns what SyntheticBatches is: an
+    # iterator of per-step micro-batch lists with next_step, batches_for_step(step) and state_dict /
+    # load_state_dict (checkpoints). Replaces data.kind's source (keep kind synthetic); None uses data.kind.
+    source: dict[str, Any] | None = None
 
 
 @dataclass
@@ -368,8 +374,8 @@ class TrainConfig:
     seed: int = 1234
     # Debug: run backward on a worker thread, emulating the CUDA autograd device thread on CPU.
     backward_on_thread: bool = False
-    # Extension points: {"_target_": "torch.optim.AdamW", ...} (a _target_ under torch.optim. or nemo_ac.), called
-    # with the parameter groups and lr; None uses the built-in AdamW (betas, eps).
+    # Extension points: {"_target_": "torch.optim.AdamW", ...} (a _target_ under torch.optim., nemo_ac. or a prefix
+    # in extensions.allow), called with the parameter groups and lr; None uses the built-in AdamW (betas, eps).
     optimizer: dict[str, Any] | None = None
     # {"_target_": "torch.optim.lr_scheduler....", ...}, called with the optimizer (same _target_ rule as
     # optimizer); None uses warmup + cosine (warmup_steps, min_lr_ratio).
@@ -427,6 +433,16 @@ class DistConfig:
 
 
 @dataclass
+class ExtensionsConfig:
+    """User modules that the _target_ extension points (train.optimizer, train.scheduler, data.source) may import."""
+
+    # Module prefixes allowed besides the built-in torch.optim. and nemo_ac.: "mypkg." allows every module under
+    # mypkg; a module path without the trailing dot ("mypkg.optim") allows that module and its submodules only. The
+    # module must be importable on every node (installed, or on PYTHONPATH). Standard-library prefixes are refused.
+    allow: list[str] = field(default_factory=list)
+
+
+@dataclass
 class RecipeConfig:
     """A recipe: the top-level keys and one section per part of a run."""
 
@@ -441,3 +457,4 @@ class RecipeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    extensions: ExtensionsConfig = field(default_factory=ExtensionsConfig)

@@ -9,7 +9,8 @@ separately verifies that the optional extras a recipe asks for are importable.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nemo_ac.config.deepep import check_deepep
@@ -24,8 +25,27 @@ from nemo_ac.config.rules_model import (
 )
 from nemo_ac.config.schema import RecipeConfig
 
-# _target_ extension points may only name callables under these module prefixes.
+# _target_ extension points may only name callables under these module prefixes, or under a prefix the recipe lists
+# in extensions.allow.
 TARGET_ALLOWLIST = ("torch.optim.", "nemo_ac.")
+
+
+def prefix_matches(target: str, prefix: str) -> bool:
+    """``"mypkg."`` matches everything under mypkg; ``"mypkg.optim"`` matches that module and its submodules."""
+    return target.startswith(prefix if prefix.endswith(".") else prefix + ".")
+
+
+def target_allowed(target: str, allow: Sequence[str] = ()) -> bool:
+    return target.startswith(TARGET_ALLOWLIST) or any(prefix_matches(target, p) for p in allow if p.strip())
+
+
+def target_refusal(target: str, allow: Sequence[str] = ()) -> str:
+    """Why ``target`` is refused, naming the key that would allow it."""
+    extra = f" or extensions.allow {list(allow)}" if allow else ""
+    return (
+        f"{target!r} is outside the allowed module prefixes {list(TARGET_ALLOWLIST)}{extra}; to import your own "
+        f"module, add its prefix to extensions.allow (e.g. extensions.allow: ['{target.split('.')[0]}.'])"
+    )
 
 
 @dataclass(frozen=True)
@@ -239,24 +259,51 @@ def check_training(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
     if not math.isfinite(t.grad_clip) or t.grad_clip < 0:
         issues.append(ConfigIssue("train.grad_clip", f"must be a finite number >= 0 (0 disables), got {t.grad_clip}"))
     for key, spec in (("train.optimizer", t.optimizer), ("train.scheduler", t.scheduler)):
-        issues.extend(check_target(key, spec))
+        issues.extend(check_target(key, spec, recipe.extensions.allow))
     return issues
 
 
-def check_target(key: str, spec: dict | None) -> list[ConfigIssue]:
+def check_target(key: str, spec: dict | None, allow: Sequence[str] = ()) -> list[ConfigIssue]:
     if spec is None:
         return []
     target = spec.get("_target_")
     if not isinstance(target, str) or not target:
         return [ConfigIssue(f"{key}._target_", "missing; give a dotted path such as torch.optim.AdamW")]
-    if not target.startswith(TARGET_ALLOWLIST):
-        return [
-            ConfigIssue(
-                f"{key}._target_",
-                f"{target!r} is outside the allowed module prefixes {list(TARGET_ALLOWLIST)}",
-            )
-        ]
+    if not target_allowed(target, allow):
+        return [ConfigIssue(f"{key}._target_", target_refusal(target, allow))]
     return []
+
+
+def check_extensions(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
+    """extensions.allow holds module prefixes; data.source is a _target_ like train.optimizer."""
+    issues = []
+    for i, prefix in enumerate(recipe.extensions.allow):
+        parts = prefix.removesuffix(".").split(".")
+        if not prefix.strip():
+            issues.append(ConfigIssue(f"extensions.allow[{i}]", "must not be empty (it would allow every module)"))
+        elif not all(part.isidentifier() for part in parts):
+            issues.append(
+                ConfigIssue(
+                    f"extensions.allow[{i}]",
+                    f"{prefix!r} is not a module prefix; give a dotted module path ending in '.' ('mypkg.': every "
+                    "module under mypkg) or a full module path ('mypkg.optim': that module and its submodules)",
+                )
+            )
+        elif parts[0] in sys.stdlib_module_names:
+            issues.append(
+                ConfigIssue(
+                    f"extensions.allow[{i}]",
+                    f"{prefix!r} is in the Python standard library; extensions.allow is for your own modules (an "
+                    "optimizer, scheduler or batch source): list their package, e.g. 'mypkg.'",
+                )
+            )
+    data = recipe.data
+    issues.extend(check_target("data.source", data.source, recipe.extensions.allow))
+    if data.source is not None and data.kind != "synthetic":
+        issues.append(
+            ConfigIssue("data.kind", f"{data.kind!r} with data.source: the source replaces data.kind; drop one of them")
+        )
+    return issues
 
 
 def check_activation_checkpointing(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
@@ -422,6 +469,7 @@ RULES: list[Rule] = [
     check_dist,
     check_deepep,
     check_checkpoint,
+    check_extensions,
 ]
 
 

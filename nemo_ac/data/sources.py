@@ -1,6 +1,6 @@
-"""The batch source a recipe's ``data.kind`` asks for, for one data-parallel rank.
+"""The batch source a recipe's ``data.kind`` (or its own ``data.source``) asks for, for one data-parallel rank.
 
-Both sources have the same interface (``batches_for_step``, iteration with a position, ``state_dict`` /
+The sources (and a user's ``data.source``) have the same interface (``batches_for_step``, iteration with a position, ``state_dict`` /
 ``load_state_dict`` for checkpoints) and the same layout-independent row assignment, so the trainer and the
 checkpointer never look at which one they hold. Only configs cross in here (the vision config gives MedPix the
 image placeholder ids and patch geometry); no model.
@@ -8,10 +8,17 @@ image placeholder ids and patch geometry); no model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from nemo_ac.config.schema import DataConfig, VisionConfig
+from nemo_ac.config.targets import instantiate
 from nemo_ac.data.loader import SyntheticBatches
 from nemo_ac.data.medpix import MedPixBatches
 from nemo_ac.data.text import TextBatches
+
+# What the loop and the checkpointer call on a batch source (plus its ``next_step`` position attribute).
+_SOURCE_INTERFACE = ("batches_for_step", "state_dict", "load_state_dict", "__iter__", "__next__")
 
 
 def build_batches(
@@ -24,9 +31,32 @@ def build_batches(
     dp_rank: int,
     dp_size: int,
     seed: int,
-) -> SyntheticBatches | MedPixBatches | TextBatches:
+    extensions: Sequence[str] = (),
+) -> SyntheticBatches | MedPixBatches | TextBatches | Any:
     """``data.kind: synthetic`` -> packed synthetic tasks; ``medpix`` -> MedPix-VQA chat documents with images;
-    ``text`` -> plain-text or chat documents (``nemo_ac.data.text``)."""
+    ``text`` -> plain-text or chat documents (``nemo_ac.data.text``); ``data.source`` -> the user's ``_target_`` (its module under a prefix in ``extensions``, extensions.allow)."""
+    if data_cfg.source is not None:
+        source = instantiate(
+            data_cfg.source,
+            key="data.source",
+            allow=extensions,
+            data_cfg=data_cfg,
+            vocab_size=vocab_size,
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=seed,
+        )
+        missing = [name for name in _SOURCE_INTERFACE if not callable(getattr(source, name, None))]
+        if missing or not hasattr(source, "next_step"):
+            target = data_cfg.source.get("_target_")
+            raise TypeError(
+                f"data.source._target_: {target!r} returned a {type(source).__name__} without "
+                f"{', '.join([*missing, *(['next_step'] if not hasattr(source, 'next_step') else [])])}; a batch "
+                "source has the interface of nemo_ac.data.loader.SyntheticBatches"
+            )
+        return source
     if data_cfg.kind == "medpix":
         return MedPixBatches(
             data_cfg,

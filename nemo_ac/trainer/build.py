@@ -123,8 +123,8 @@ def build_training(recipe: RecipeConfig, layout: ParallelLayout, *, device: torc
     weights = materialize_weights(model, model_config=recipe.model, device=device, seed=recipe.train.seed)
     switches = dataclasses.asdict(recipe.train.freeze)
     frozen = freeze(model, **switches) if any(switches.values()) else {}
-    optimizer = build_optimizer(model, recipe.train)
-    scheduler = build_scheduler(optimizer, recipe.train)
+    optimizer = build_optimizer(model, recipe.train, extensions=recipe.extensions.allow)
+    scheduler = build_scheduler(optimizer, recipe.train, extensions=recipe.extensions.allow)
     data = build_batches(
         recipe.data,
         vocab_size=recipe.model.vocab_size,
@@ -134,6 +134,7 @@ def build_training(recipe: RecipeConfig, layout: ParallelLayout, *, device: torc
         dp_rank=meshes.dp_rank,
         dp_size=meshes.dp_size,
         seed=recipe.train.seed,
+        extensions=recipe.extensions.allow,
     )
     return TrainingSetup(
         recipe=recipe,

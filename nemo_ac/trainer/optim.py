@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,9 +15,9 @@ from nemo_ac.config.schema import TrainConfig
 from nemo_ac.config.targets import instantiate
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, config: TrainConfig, *, extensions: Sequence[str] = ()) -> torch.optim.Optimizer:
     """Frozen parameters (requires_grad False) get no optimizer state. Norm weights, biases and router correction
-    biases (< 2 dims) get no weight decay."""
+    biases (< 2 dims) get no weight decay. ``extensions``: the recipe's extensions.allow (user module prefixes)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if not param.requires_grad:
@@ -28,7 +29,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     ]
     groups = [group for group in groups if group["params"]]
     if config.optimizer is not None:
-        return instantiate(config.optimizer, groups, key="train.optimizer", lr=config.lr)
+        return instantiate(config.optimizer, groups, key="train.optimizer", allow=extensions, lr=config.lr)
     return torch.optim.AdamW(groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps, foreach=True)
 
 
@@ -41,9 +42,11 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_rati
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.LRScheduler:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, config: TrainConfig, *, extensions: Sequence[str] = ()
+) -> torch.optim.lr_scheduler.LRScheduler:
     if config.scheduler is not None:
-        return instantiate(config.scheduler, optimizer, key="train.scheduler")
+        return instantiate(config.scheduler, optimizer, key="train.scheduler", allow=extensions)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: warmup_cosine(

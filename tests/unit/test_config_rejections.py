@@ -364,6 +364,47 @@ ROWS = [
         "train.scheduler._target_",
         r"'builtins.eval' is outside the allowed module prefixes",
     ),
+    row(
+        "check_training",
+        ["+train.optimizer._target_=mypkg.optim.Lion", "extensions.allow=[otherpkg.]"],
+        "train.optimizer._target_",
+        r"'mypkg.optim.Lion' is outside .* or extensions.allow \['otherpkg.'\]; to import your own module, add its "
+        r"prefix to extensions.allow \(e.g. extensions.allow: \['mypkg.'\]\)",
+        id="optimizer_other_extension",
+    ),
+    row(
+        "check_training",
+        ["+train.scheduler._target_=mypkg.optimizers.Sched", "extensions.allow=[mypkg.optim]"],
+        "train.scheduler._target_",
+        r"'mypkg.optimizers.Sched' is outside .*add its prefix to extensions.allow",
+        id="module_path_is_no_string_prefix",
+    ),
+    # check_extensions
+    row("check_extensions", ["extensions.allow=['']"], "extensions.allow[0]", r"must not be empty"),
+    row(
+        "check_extensions",
+        ["extensions.allow=[mypkg., my-pkg.]"],
+        "extensions.allow[1]",
+        r"'my-pkg.' is not a module prefix; give a dotted module path ending in '.'",
+    ),
+    row(
+        "check_extensions",
+        ["extensions.allow=[os.]"],
+        "extensions.allow[0]",
+        r"'os.' is in the Python standard library; extensions.allow is for your own modules",
+    ),
+    row(
+        "check_extensions",
+        ["+data.source._target_=mypkg.data.Batches"],
+        "data.source._target_",
+        r"'mypkg.data.Batches' is outside .*add its prefix to extensions.allow",
+    ),
+    row(
+        "check_extensions",
+        [*MEDPIX, "+data.source._target_=mypkg.data.Batches", "extensions.allow=[mypkg.]"],
+        "data.kind",
+        r"'medpix' with data.source: the source replaces data.kind",
+    ),
     # check_data
     row("check_data", ["data.seq_len=4"], "data.seq_len", r"must be >= 8, got 4"),
     row(
