@@ -147,7 +147,7 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 
 
 def test_save_cadence():
-    config = CheckpointConfig(enabled=True, every_n_steps=3)
+    config = CheckpointConfig(enabled=True, every_n_steps=3, dir="unused")  # nothing is written here
     ckpt = Checkpointer(config=config, total_steps=8, recipe={}, device=CPU)
     assert [s for s in range(1, 9) if ckpt.should_save(s)] == [3, 6, 8]
     config.every_n_steps = 0

@@ -5,7 +5,6 @@ The user module is a real package written to tmp_path and put on sys.path (PYTHO
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from nemo_ac.config import ConfigError, load_recipe, validate_recipe
 from nemo_ac.config.targets import resolve_target
 from nemo_ac.data.batch import PackedBatch
 from nemo_ac.data.sources import build_batches
+from nemo_ac.trainer.metrics import step_records
 from nemo_ac.trainer.optim import build_optimizer, build_scheduler
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,6 +187,6 @@ def test_training_runs_on_the_user_optimizer_scheduler_and_dataset(user_package,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert marker.read_text().splitlines() == ["user-data 0 0/1", "user-data 1 0/1"]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = step_records(run_dir / "metrics.jsonl")  # the run's step records, without its start marker
     assert len(records) == 2
     assert all(record["lr"] == pytest.approx(0.006 * 0.5 * 0.25) for record in records)
