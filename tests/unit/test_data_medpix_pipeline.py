@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_ac.config.schema import DataConfig, VisionConfig
+from nemo_ac.config.schema import DataConfig, RecipeConfig, VisionConfig
+from nemo_ac.config.validate import check_batching
 from nemo_ac.data import medpix
 from nemo_ac.data.batch import PackedBatch
 from nemo_ac.data.medpix import MedPixBatches
@@ -116,6 +117,9 @@ def test_resume_with_workers_continues_on_the_same_batches() -> None:
 def test_negative_num_workers_is_rejected() -> None:
     with pytest.raises(ValueError, match="num_workers=-1"):
         _loader(synthetic_medpix_records(4), num_workers=-1)
+    recipe = RecipeConfig()
+    recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, num_workers=-1))
+    assert [issue.key for issue in check_batching(recipe, 1)] == ["data.num_workers"]
 
 
 def test_hub_dataset_is_loaded_by_local_rank_0_before_the_other_ranks(monkeypatch) -> None:
