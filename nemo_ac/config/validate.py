@@ -220,6 +220,8 @@ def _ulysses_recurrent_mixer_issues(recipe: RecipeConfig) -> list[ConfigIssue]:
 def check_batching(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
     t, par = recipe.train, recipe.parallel
     issues = []
+    if recipe.data.num_workers < 0:
+        issues.append(ConfigIssue("data.num_workers", f"{recipe.data.num_workers} must be >= 0 (0: no worker threads)"))
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         return [ConfigIssue("train.global_batch_size", "global_batch_size and micro_batch_size must be >= 1")]
     dp_shard = resolve_dp_shard(recipe, world_size)

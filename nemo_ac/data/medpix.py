@@ -17,15 +17,27 @@ counts alone), and micro batch ``k`` of dp rank ``r`` in step ``s`` holds global
 ``s * global_batch_size + [(k * dp + r) * mb, (k * dp + r + 1) * mb)``, so the global batch does not depend on dp.
 Images of a micro batch are concatenated in row-major placeholder order (``pixel_values``, ``image_grid_thw``).
 ``state_dict`` stores the next step and the plan position there, so resuming does not replan from step 0.
+
+Each image is decoded once, by the rank whose row holds it: image cells are read undecoded (a ``datasets`` Image
+column is cast to ``decode=False``), the plan needs only the image size (the file header), and a sample's pixels
+are made only when its row is built (``decodes`` / ``used_images`` count this). ``data.num_workers > 0`` builds the
+next step's samples in that many background threads while the current step trains; which sample goes where is
+fixed by the plan on the calling thread, so the batches equal those of ``num_workers: 0``. A Hub dataset id is
+downloaded by local rank 0 of each node while the node's other ranks wait at a barrier.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nemo_ac.config.schema import DataConfig, VisionConfig
 from nemo_ac.data.batch import IGNORE_INDEX, PackedBatch
@@ -67,7 +79,35 @@ def load_medpix_dataset(path: str, split: str = "train") -> tuple[Sequence[dict[
         return datasets.load_dataset(builder, data_files=str(local), split="train"), local.parent
     if local.is_dir():
         return datasets.load_dataset(str(local), split=split), local
-    return datasets.load_dataset(path, split=split), None
+    return load_once_per_node(lambda: datasets.load_dataset(path, split=split)), None
+
+
+def load_once_per_node(load: Callable[[], Any]) -> Any:
+    """``load()`` on local rank 0 of each node first, then on the node's other ranks after a barrier (they read the
+    cache it filled: a Hub dataset is downloaded once per node, not once per rank). Without a process group: just
+    ``load()``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return load()
+    result, error = None, None
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if first:
+        try:
+            result = load()
+        except Exception as err:  # still reach the barrier: the node's other ranks wait there
+            error = err
+    dist.barrier()
+    if error is not None:
+        raise error
+    return result if first else load()
+
+
+def without_image_decoding(dataset: Sequence[dict[str, Any]], column: str) -> Sequence[dict[str, Any]]:
+    """A ``datasets`` dataset whose Image column ``column`` yields ``{"bytes", "path"}`` instead of a decoded PIL
+    image (reading a row then costs no decode; ``open_image`` opens it lazily). Anything else is returned as is."""
+    feature = (getattr(dataset, "features", None) or {}).get(column)
+    if getattr(feature, "decode", False) and dataclasses.is_dataclass(feature) and hasattr(dataset, "cast_column"):
+        return dataset.cast_column(column, dataclasses.replace(feature, decode=False))
+    return dataset
 
 
 def build_encoder(data_cfg: DataConfig, vision: VisionConfig) -> SampleEncoder:
@@ -184,9 +224,11 @@ class MedPixBatches:
             dataset, base_dir = load_medpix_dataset(data_cfg.path, data_cfg.split)
         if len(dataset) == 0:
             raise ValueError(f"data.path={data_cfg.path!r} (split {data_cfg.split!r}) has no rows")
-        self.dataset = dataset
-        self.base_dir = base_dir
+        if data_cfg.num_workers < 0:
+            raise ValueError(f"data.num_workers={data_cfg.num_workers} must be >= 0")
         self.columns = self._columns(data_cfg, dataset)
+        self.dataset = without_image_decoding(dataset, self.columns[0])
+        self.base_dir = base_dir
         self.encoder = encoder or build_encoder(data_cfg, vision)
         self.max_length = data_cfg.max_length
         self.global_batch_size = global_batch_size
@@ -200,6 +242,12 @@ class MedPixBatches:
             self._lengths, max_length=data_cfg.max_length, packing=data_cfg.packing, epoch_size=len(dataset)
         )
         self.next_step = 0
+        self.decodes = 0  # images whose pixels this loader decoded and preprocessed
+        self.used_images = 0  # images in the micro batches it returned
+        self._count_lock = threading.Lock()
+        self.num_workers = data_cfg.num_workers
+        self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="medpix") if self.num_workers > 0 else None
+        self._prefetched: dict[int, list[list[list[Future[EncodedSample]]]]] = {}
 
     @staticmethod
     def _columns(data_cfg: DataConfig, dataset: Sequence[dict[str, Any]]) -> tuple[str, str, str]:
@@ -226,62 +274,110 @@ class MedPixBatches:
             self._perms[epoch] = perm
         return perm[offset]
 
-    def _sample(self, stream_index: int) -> tuple[Any, str, str]:
+    def _cells(self, stream_index: int) -> tuple[Any, str, str]:
+        """The (image cell, question, answer) of a stream sample; the image cell is not decoded."""
         record = self.dataset[self._dataset_index(stream_index)]
         image_col, question_col, answer_col = self.columns
-        return open_image(record[image_col], self.base_dir), str(record[question_col]), str(record[answer_col])
+        return record[image_col], str(record[question_col]), str(record[answer_col])
 
     def _lengths(self, stream_index: int) -> tuple[int, int]:
-        return self.encoder.num_tokens(*self._sample(stream_index))
+        """(tokens, answer_start) from the text and the image size (its header), without decoding pixels."""
+        cell, question, answer = self._cells(stream_index)
+        image = open_image(cell, self.base_dir)
+        try:
+            return self.encoder.num_tokens(image, question, answer)
+        finally:
+            if image is not cell:
+                image.close()
 
-    def _encode(self, stream_index: int, kept: int) -> EncodedSample:
-        sample = self.encoder.encode(*self._sample(stream_index))
-        planned = self._lengths(stream_index)
+    def _encode_cells(self, cells: tuple[Any, str, str], kept: int) -> EncodedSample:
+        """One sample's tokens and pixels (the one decode of its image); thread-safe, runs in the worker pool."""
+        cell, question, answer = cells
+        image = open_image(cell, self.base_dir)
+        try:
+            planned = self.encoder.num_tokens(image, question, answer)
+            sample = self.encoder.encode(image, question, answer)
+        finally:
+            if image is not cell:
+                image.close()
+        with self._count_lock:
+            self.decodes += 1
         if (len(sample.input_ids), sample.answer_start) != planned:
             raise RuntimeError(f"encoder made {len(sample.input_ids)} tokens for a sample planned as {planned}")
         sample.input_ids = sample.input_ids[:kept]
         return sample
 
-    def row(self, global_row: int) -> tuple[dict[str, torch.Tensor], list[EncodedSample]]:
-        """Global row ``global_row``'s [max_length] tensors and its samples (for their pixels)."""
+    def _encode(self, stream_index: int, kept: int) -> EncodedSample:
+        return self._encode_cells(self._cells(stream_index), kept)
+
+    def _submit_row(self, global_row: int) -> list[Future[EncodedSample]]:
+        """Plans ``global_row`` on this thread and hands its samples' encoding to the pool (or does it now)."""
+        jobs = []
+        for stream_index, kept in self.plan.row(global_row):
+            cells = self._cells(stream_index)
+            if self._pool is not None:
+                jobs.append(self._pool.submit(self._encode_cells, cells, kept))
+            else:
+                done: Future[EncodedSample] = Future()
+                done.set_result(self._encode_cells(cells, kept))
+                jobs.append(done)
+        return jobs
+
+    def _submit_step(self, step: int) -> list[list[list[Future[EncodedSample]]]]:
+        """Per micro batch, per row: the futures of its samples, in plan order."""
+        base = step * self.global_batch_size
+        return [
+            [self._submit_row(base + first + i) for i in range(self.micro_batch_size)]
+            for first in self.global_rows_of_micro_batches()
+        ]
+
+    def _row_tensors(self, samples: list[EncodedSample]) -> dict[str, torch.Tensor]:
+        """A row's [max_length] tensors from its (already truncated) samples."""
         ids: list[int] = []
         labels: list[int] = []
         pos: list[int] = []
         docs: list[int] = []
-        samples = []
-        for doc, (stream_index, kept) in enumerate(self.plan.row(global_row)):
-            sample = self._encode(stream_index, kept)
+        for doc, sample in enumerate(samples):
             tokens = sample.input_ids
             ids += tokens
             labels += [t if i + 1 >= sample.answer_start else IGNORE_INDEX for i, t in enumerate(tokens[1:])]
             labels.append(IGNORE_INDEX)
             pos += range(len(tokens))
             docs += [doc] * len(tokens)
-            samples.append(sample)
         pad = self.max_length - len(ids)
         ids += [self.encoder.pad_id] * pad
         labels += [IGNORE_INDEX] * pad
         pos += range(pad)
         docs += [-1] * pad
-        tensors = {
+        return {
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "labels": torch.tensor(labels, dtype=torch.long),
             "position_ids": torch.tensor(pos, dtype=torch.long),
             "document_ids": torch.tensor(docs, dtype=torch.long),
         }
-        return tensors, samples
 
-    def micro_batch(self, step: int, first_row: int) -> PackedBatch:
-        rows = [self.row(step * self.global_batch_size + first_row + i) for i in range(self.micro_batch_size)]
-        samples = [s for _, row_samples in rows for s in row_samples]
+    def row(self, global_row: int) -> tuple[dict[str, torch.Tensor], list[EncodedSample]]:
+        """Global row ``global_row``'s [max_length] tensors and its samples (for their pixels)."""
+        samples = [self._encode(index, kept) for index, kept in self.plan.row(global_row)]
+        return self._row_tensors(samples), samples
+
+    def _assemble(self, rows: list[list[EncodedSample]]) -> PackedBatch:
+        tensors = [self._row_tensors(samples) for samples in rows]
+        samples = [s for row_samples in rows for s in row_samples]
+        with self._count_lock:
+            self.used_images += len(samples)
         return PackedBatch(
-            input_ids=torch.stack([r["input_ids"] for r, _ in rows]),
-            labels=torch.stack([r["labels"] for r, _ in rows]),
-            position_ids=torch.stack([r["position_ids"] for r, _ in rows]),
-            document_ids=torch.stack([r["document_ids"] for r, _ in rows]),
+            input_ids=torch.stack([r["input_ids"] for r in tensors]),
+            labels=torch.stack([r["labels"] for r in tensors]),
+            position_ids=torch.stack([r["position_ids"] for r in tensors]),
+            document_ids=torch.stack([r["document_ids"] for r in tensors]),
             pixel_values=torch.cat([s.pixel_values for s in samples]),
             image_grid_thw=torch.tensor([s.grid_thw for s in samples], dtype=torch.long),
         )
+
+    def micro_batch(self, step: int, first_row: int) -> PackedBatch:
+        base = step * self.global_batch_size + first_row
+        return self._assemble([self.row(base + i)[1] for i in range(self.micro_batch_size)])
 
     def global_rows_of_micro_batches(self) -> list[int]:
         """First row (within the step) of each of this rank's micro batches (interleaved over dp ranks)."""
@@ -289,7 +385,28 @@ class MedPixBatches:
         return [(k * self.dp_size + self.dp_rank) * mb for k in range(self.grad_accum_steps)]
 
     def batches_for_step(self, step: int) -> list[PackedBatch]:
-        return [self.micro_batch(step, first) for first in self.global_rows_of_micro_batches()]
+        """This rank's micro batches of ``step``. With worker threads, also starts building step + 1's."""
+        work = self._prefetched.pop(step, None) or self._submit_step(step)
+        self._drop_prefetched()
+        if self._pool is not None:
+            try:
+                self._prefetched[step + 1] = self._submit_step(step + 1)
+            except ValueError:  # e.g. nothing fits a row: raised when step + 1 itself is asked for
+                self._drop_prefetched()
+        return [self._assemble([[job.result() for job in row] for row in rows]) for rows in work]
+
+    def _drop_prefetched(self) -> None:
+        for work in self._prefetched.values():
+            for job in (job for rows in work for row in rows for job in row):
+                job.cancel()
+        self._prefetched.clear()
+
+    def close(self) -> None:
+        """Stops the worker threads (queued work is dropped)."""
+        self._drop_prefetched()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     @property
     def skipped_samples(self) -> int:
@@ -300,6 +417,7 @@ class MedPixBatches:
         return {"next_step": self.next_step, "plan_row": row, "plan_cursor": self.plan.position(row)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._drop_prefetched()  # planned from the old position
         self.next_step = int(state["next_step"])
         if "plan_row" in state:
             self.plan.reset(int(state["plan_row"]), int(state["plan_cursor"]))

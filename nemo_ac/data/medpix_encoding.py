@@ -8,13 +8,15 @@ Two encoders with one interface (``SampleEncoder``):
   and normalization), imported lazily; used by full-size recipes (``data.tokenizer: Qwen/Qwen3.6-35B-A3B``).
 
 ``num_tokens`` is cheap (text tokenization and the image size only, no pixel decode): the packing plan calls it for
-every sample of every global row on every rank. ``encode`` does the full work only for this rank's rows and must
-agree with ``num_tokens`` (checked by the loader).
+every sample of every global row on every rank. ``encode`` does the full work (the one decode of the image) only for
+this rank's rows and must agree with ``num_tokens`` (checked by the loader). Both may run on ``data.num_workers``
+threads at once.
 """
 
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -127,17 +129,19 @@ class ProcessorSampleEncoder:
             )
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id
+        self._text_lock = threading.Lock()  # one tokenizer shared by data.num_workers threads
 
     def _texts(self, question: str, answer: str) -> tuple[list[int], list[int]]:
         user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
         reply = {"role": "assistant", "content": [{"type": "text", "text": answer}]}
         template = self.processor.apply_chat_template
-        prompt = template([user], tokenize=False, add_generation_prompt=True)
-        full = template([user, reply], tokenize=False)
-        if not full.startswith(prompt):
-            raise ValueError("the chat template's assistant turn does not extend its generation prompt")
-        encode = self.tokenizer.encode
-        return encode(prompt, add_special_tokens=False), encode(full[len(prompt) :], add_special_tokens=False)
+        with self._text_lock:
+            prompt = template([user], tokenize=False, add_generation_prompt=True)
+            full = template([user, reply], tokenize=False)
+            if not full.startswith(prompt):
+                raise ValueError("the chat template's assistant turn does not extend its generation prompt")
+            encode = self.tokenizer.encode
+            return encode(prompt, add_special_tokens=False), encode(full[len(prompt) :], add_special_tokens=False)
 
     def num_tokens(self, image: Any, question: str, answer: str) -> tuple[int, int]:
         prompt, reply = self._texts(question, answer)
