@@ -142,26 +142,16 @@ def tokenize_documents(rows: Any, cfg: DataConfig, tokenizer: _TinyText | _HFTex
     return docs
 
 
-def _load_rows_once_per_node(cfg: DataConfig) -> Any:
-    """The dataset's rows. A Hub id is fetched by local rank 0 of each node first (the others wait at a barrier,
-    then read the filled ``datasets`` cache), so a node downloads it once."""
-    import os
-    from pathlib import Path
-
-    import torch.distributed as dist
-
-    from nemo_ac.data.medpix import load_medpix_dataset as load_rows  # the same local / Hub dataset reader
+def _load_rows(cfg: DataConfig) -> Any:
+    """The dataset's rows, through MedPix's reader of local files, ``save_to_disk`` dirs and Hub ids (a Hub id is
+    fetched by local rank 0 of each node first, the others read the filled cache: ``load_once_per_node``)."""
+    from nemo_ac.data.medpix import load_medpix_dataset
 
     if cfg.path is None:
         raise _fail(
             "data.path", "data.kind text needs data.path (a JSONL / parquet file, a save_to_disk dir or a Hub id)"
         )
-    remote = not Path(cfg.path).exists()
-    if remote and dist.is_available() and dist.is_initialized():
-        rows = load_rows(cfg.path, cfg.split)[0] if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
-        dist.barrier()
-        return rows if rows is not None else load_rows(cfg.path, cfg.split)[0]
-    return load_rows(cfg.path, cfg.split)[0]
+    return load_medpix_dataset(cfg.path, cfg.split)[0]
 
 
 class TextBatches:
@@ -196,7 +186,7 @@ class TextBatches:
                     f"{vocab_size} is smaller than data.tokenizer's {tokenizer.vocab_size} tokens; set "
                     f"model.vocab_size >= {tokenizer.vocab_size} or use the model's own tokenizer",
                 )
-            documents = tokenize_documents(_load_rows_once_per_node(data_cfg), data_cfg, tokenizer)
+            documents = tokenize_documents(_load_rows(data_cfg), data_cfg, tokenizer)
         self.documents = documents
         self.total_tokens = sum(len(d.tokens) for d in documents)
         self.rows_per_epoch = self.total_tokens // self.seq_len
