@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -37,3 +39,38 @@ class PackedBatch:
     @property
     def num_label_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
+
+
+class StepBatches:
+    """What every batch source shares: this rank's micro batches of step ``s`` (``batches_for_step``), iteration
+    over consecutive steps from ``next_step`` (the data position a checkpoint stores), and which global rows its
+    micro batches hold. Micro batch ``k`` of dp rank ``r`` holds global rows ``[(k * dp + r) * mb, ...)`` of the
+    step, so micro step ``k`` covers the same rows in every layout that keeps ``micro_batch_size * dp``."""
+
+    next_step: int
+    micro_batch_size: int
+    dp_rank: int
+    dp_size: int
+    grad_accum_steps: int
+
+    def batches_for_step(self, step: int) -> list[PackedBatch]:
+        raise NotImplementedError
+
+    def global_rows_of_micro_batches(self) -> list[int]:
+        """First global row index (within the step) of each of this rank's micro batches."""
+        mb = self.micro_batch_size
+        return [(k * self.dp_size + self.dp_rank) * mb for k in range(self.grad_accum_steps)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_step": self.next_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_step = int(state["next_step"])
+
+    def __iter__(self) -> Iterator[list[PackedBatch]]:
+        return self
+
+    def __next__(self) -> list[PackedBatch]:
+        batches = self.batches_for_step(self.next_step)
+        self.next_step += 1
+        return batches

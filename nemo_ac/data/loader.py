@@ -12,13 +12,10 @@ Resuming needs only the next step index (``state_dict``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import torch
 
 from nemo_ac.config.schema import DataConfig
-from nemo_ac.data.batch import PackedBatch
+from nemo_ac.data.batch import PackedBatch, StepBatches
 from nemo_ac.data.packing import pack_row, stack_rows
 from nemo_ac.data.synthetic import SyntheticTask
 
@@ -43,7 +40,7 @@ def length_choices(seq_len: int, pad_multiple: int) -> list[int]:
     return choices
 
 
-class SyntheticBatches:
+class SyntheticBatches(StepBatches):
     """Per-step micro batches of the synthetic task for one data-parallel rank.
 
     ``batches_for_step(step)`` returns ``per_rank // micro_batch_size`` ``PackedBatch`` es of
@@ -105,22 +102,3 @@ class SyntheticBatches:
             stack_rows([self.row(step, first + i, seq_len) for i in range(self.micro_batch_size)])
             for first in self.global_rows_of_micro_batches()
         ]
-
-    def global_rows_of_micro_batches(self) -> list[int]:
-        """First global row index of each of this rank's micro batches (interleaved over dp ranks)."""
-        mb = self.micro_batch_size
-        return [(k * self.dp_size + self.dp_rank) * mb for k in range(self.grad_accum_steps)]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"next_step": self.next_step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.next_step = int(state["next_step"])
-
-    def __iter__(self) -> Iterator[list[PackedBatch]]:
-        return self
-
-    def __next__(self) -> list[PackedBatch]:
-        batches = self.batches_for_step(self.next_step)
-        self.next_step += 1
-        return batches

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_ac.config.schema import DataConfig, VisionConfig
-from nemo_ac.data.batch import IGNORE_INDEX, PackedBatch
+from nemo_ac.data.batch import IGNORE_INDEX, PackedBatch, StepBatches
 from nemo_ac.data.image_processing import ImagePreprocessor
 from nemo_ac.data.loader import stream_seed
 from nemo_ac.data.medpix_encoding import (
@@ -194,7 +194,7 @@ class PackingPlan:
         return self.row(global_row)[0][0]
 
 
-class MedPixBatches:
+class MedPixBatches(StepBatches):
     """Per-step micro batches of MedPix documents for one dp rank; same interface as ``SyntheticBatches``."""
 
     def __init__(
@@ -379,11 +379,6 @@ class MedPixBatches:
         base = step * self.global_batch_size + first_row
         return self._assemble([self.row(base + i)[1] for i in range(self.micro_batch_size)])
 
-    def global_rows_of_micro_batches(self) -> list[int]:
-        """First row (within the step) of each of this rank's micro batches (interleaved over dp ranks)."""
-        mb = self.micro_batch_size
-        return [(k * self.dp_size + self.dp_rank) * mb for k in range(self.grad_accum_steps)]
-
     def batches_for_step(self, step: int) -> list[PackedBatch]:
         """This rank's micro batches of ``step``. With worker threads, also starts building step + 1's."""
         work = self._prefetched.pop(step, None) or self._submit_step(step)
@@ -421,11 +416,3 @@ class MedPixBatches:
         self.next_step = int(state["next_step"])
         if "plan_row" in state:
             self.plan.reset(int(state["plan_row"]), int(state["plan_cursor"]))
-
-    def __iter__(self) -> Iterator[list[PackedBatch]]:
-        return self
-
-    def __next__(self) -> list[PackedBatch]:
-        batches = self.batches_for_step(self.next_step)
-        self.next_step += 1
-        return batches

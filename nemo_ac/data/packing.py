@@ -36,16 +36,23 @@ def pack_row(next_document: Callable[[], Document], seq_len: int) -> dict[str, t
         doc.extend([doc_index] * take)
         answer.extend(i >= d.answer_start for i in range(take))
         doc_index += 1
+    return row_tensors(ids=ids, positions=pos, documents=doc, targets=answer)
+
+
+def row_tensors(
+    *, ids: list[int], positions: list[int], documents: list[int], targets: list[bool]
+) -> dict[str, torch.Tensor]:
+    """One packed row's tensors: ``labels[t] = ids[t + 1]`` where ``t + 1`` is in the same document and a target."""
     input_ids = torch.tensor(ids, dtype=torch.long)
-    document_ids = torch.tensor(doc, dtype=torch.long)
-    is_answer = torch.tensor(answer, dtype=torch.bool)
+    document_ids = torch.tensor(documents, dtype=torch.long)
+    is_target = torch.tensor(targets, dtype=torch.bool)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
-    keep = (document_ids[1:] == document_ids[:-1]) & is_answer[1:]
+    keep = (document_ids[1:] == document_ids[:-1]) & is_target[1:]
     labels[:-1] = torch.where(keep, input_ids[1:], labels[:-1])
     return {
         "input_ids": input_ids,
         "labels": labels,
-        "position_ids": torch.tensor(pos, dtype=torch.long),
+        "position_ids": torch.tensor(positions, dtype=torch.long),
         "document_ids": document_ids,
     }
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +32,9 @@ import torch
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.config.schema import DataConfig
-from nemo_ac.data.batch import IGNORE_INDEX, PackedBatch
+from nemo_ac.data.batch import PackedBatch, StepBatches
 from nemo_ac.data.loader import stream_seed
-from nemo_ac.data.packing import stack_rows
+from nemo_ac.data.packing import row_tensors, stack_rows
 from nemo_ac.data.tiny_tokenizer import TinyChatTokenizer
 
 _EPOCH_STREAM = 4
@@ -154,9 +154,9 @@ def _load_rows(cfg: DataConfig) -> Any:
     return load_medpix_dataset(cfg.path, cfg.split)[0]
 
 
-class TextBatches:
-    """Per-step micro batches of packed text documents for one data-parallel rank (``SyntheticBatches``'s
-    interface: ``batches_for_step``, iteration from the resume point, ``state_dict`` / ``load_state_dict``)."""
+class TextBatches(StepBatches):
+    """Per-step micro batches of packed text documents for one data-parallel rank (the ``StepBatches``
+    interface every source has: ``batches_for_step``, iteration from the resume point, ``state_dict``)."""
 
     def __init__(
         self,
@@ -232,37 +232,11 @@ class TextBatches:
             cursor += take
             number += 1
             d += 1
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        document_ids = torch.tensor(doc, dtype=torch.long)
-        is_target = torch.tensor(targets, dtype=torch.bool)
-        labels = torch.full_like(input_ids, IGNORE_INDEX)
-        keep = (document_ids[1:] == document_ids[:-1]) & is_target[1:]
-        labels[:-1] = torch.where(keep, input_ids[1:], labels[:-1])
-        return {
-            "input_ids": input_ids,
-            "labels": labels,
-            "position_ids": torch.tensor(pos, dtype=torch.long),
-            "document_ids": document_ids,
-        }
+        return row_tensors(ids=ids, positions=pos, documents=doc, targets=targets)
 
     def batches_for_step(self, step: int) -> list[PackedBatch]:
-        mb = self.micro_batch_size
         first_row = step * self.global_batch_size
         return [
-            stack_rows([self.row(first_row + (k * self.dp_size + self.dp_rank) * mb + i) for i in range(mb)])
-            for k in range(self.grad_accum_steps)
+            stack_rows([self.row(first_row + first + i) for i in range(self.micro_batch_size)])
+            for first in self.global_rows_of_micro_batches()
         ]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"next_step": self.next_step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.next_step = int(state["next_step"])
-
-    def __iter__(self) -> Iterator[list[PackedBatch]]:
-        return self
-
-    def __next__(self) -> list[PackedBatch]:
-        batches = self.batches_for_step(self.next_step)
-        self.next_step += 1
-        return batches

@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from nemo_ac.config import load_recipe, validate_recipe
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
-from nemo_ac.trainer.build import choose_kernels
+from nemo_ac.trainer.build import plan_recipe
 from tests.launch import RECIPES
 
 MAKE_RUN = RECIPES / "tiny" / "qwen3_6_medpix_tiny.yaml"
@@ -20,19 +19,8 @@ MAKE_RUN = RECIPES / "tiny" / "qwen3_6_medpix_tiny.yaml"
 def _plan(recipe_path, overrides=(), *, world_size: int, torch_version: str | None = None):
     recipe = load_recipe(str(recipe_path), list(overrides))
     layout = validate_recipe(recipe, world_size=world_size)
-    recipe, _ = choose_kernels(recipe, device=torch.device("cpu"))  # experts_impl: auto -> what the run builds
-    model = build_model(recipe.model)
-    return decide_plan(
-        model,
-        model_config=recipe.model,
-        parallel=recipe.parallel,
-        activation_checkpointing=recipe.activation_checkpointing,
-        compile=recipe.compile,
-        backend=recipe.backend,
-        ep=layout.ep,
-        cp=layout.cp,
-        torch_version=torch_version,
-    )
+    # experts_impl / attention auto -> what the run builds on CPU
+    return plan_recipe(recipe, layout, device_type="cpu", torch_version=torch_version)
 
 
 def test_make_run_plan_prints_one_line_per_distinct_block_plan():
