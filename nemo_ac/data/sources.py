@@ -57,34 +57,17 @@ def build_batches(
                 "source has the interface of nemo_ac.data.loader.SyntheticBatches"
             )
         return source
+    rows = {
+        "global_batch_size": global_batch_size,
+        "micro_batch_size": micro_batch_size,
+        "dp_rank": dp_rank,
+        "dp_size": dp_size,
+        "seed": seed,
+    }
     if data_cfg.kind == "medpix":
-        return MedPixBatches(
-            data_cfg,
-            vision=vision,
-            global_batch_size=global_batch_size,
-            micro_batch_size=micro_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            seed=seed,
-        )
+        return MedPixBatches(data_cfg, vision=vision, **rows)
     if data_cfg.kind == "text":
-        return TextBatches(
-            data_cfg,
-            vocab_size=vocab_size,
-            global_batch_size=global_batch_size,
-            micro_batch_size=micro_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            seed=seed,
-        )
+        return TextBatches(data_cfg, vocab_size=vocab_size, **rows)
     if data_cfg.kind != "synthetic":
         raise ValueError(f"data.kind: unknown {data_cfg.kind!r}; use synthetic, medpix or text")
-    return SyntheticBatches(
-        data_cfg,
-        vocab_size=vocab_size,
-        global_batch_size=global_batch_size,
-        micro_batch_size=micro_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        seed=seed,
-    )
+    return SyntheticBatches(data_cfg, vocab_size=vocab_size, **rows)
