@@ -26,6 +26,7 @@ import bisect
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -151,6 +152,9 @@ def _load_rows(cfg: DataConfig) -> Any:
         raise _fail(
             "data.path", "data.kind text needs data.path (a JSONL / parquet file, a save_to_disk dir or a Hub id)"
         )
+    local = Path(cfg.path)
+    if local.is_file() and local.stat().st_size == 0:
+        raise _fail("data.path", f"{cfg.path!r} is an empty file; point data.path at a file with one document per row")
     return load_medpix_dataset(cfg.path, cfg.split)[0]
 
 

@@ -96,6 +96,9 @@ def test_chat_rows_take_the_loss_on_assistant_tokens_only(tmp_path):
 def test_bad_input_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"data.text_column: column 'body' is not in .* set data.text_column"):
         batches(CORPUS, text_column="body")
+    (tmp_path / "nothing.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"data.path: .* is an empty file"):
+        batches(tmp_path / "nothing.jsonl")
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"text": ""}\n')
     with warnings.catch_warnings():
