@@ -54,7 +54,7 @@ class TorchGate:
         return f">= {since}" if self.until is None else f"{since} to < {'.'.join(map(str, self.until))}"
 
 
-# One row per version-gated workaround (the registry's ``gate`` names a row). Re-checked on 2026-12-02 with
+# One row per version-gated workaround (the registry's ``gate`` names a row). Re-checked on 2026-12-01 with
 # ``nemo-ac doctor`` on torch 2.12.1, 2.13.0, 2.14.1 and 2.15.0 (README: torch compatibility): every row below is
 # affected exactly where it is active, and no release up to 2.15.0 fixes one (every ``until`` stays None).
 VERIFIED_ON = "2.13.0, 2.14.1, 2.15.0"
