@@ -6,15 +6,21 @@ PY := $(VENV)/bin/python
 RECIPE ?= recipes/tiny/qwen3_6_medpix_tiny.yaml
 NPROC ?= 4
 ARGS ?=
+# Extras installed into .venv (CI adds automodel: EXTRAS=dev,automodel).
+EXTRAS ?= dev
+# `make test-torch`: the workaround regression tests (TESTS=all: the whole suite) on another torch release, in
+# .venv-torch-$(TORCH) (scripts/test_torch.sh).
+TORCH ?= 2.14.1
+TESTS ?=
 
-.PHONY: run test lint install clean
+.PHONY: run test test-torch lint install clean
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed-$(EXTRAS)
 
 run: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m nemo_ac.train $(RECIPE) $(ARGS)
@@ -27,5 +33,8 @@ lint: install
 test: lint
 	$(PY) -m pytest -q $(ARGS)
 
+test-torch:
+	PYTHON=$(PYTHON) bash scripts/test_torch.sh $(TORCH) $(TESTS) $(ARGS)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-torch-* runs .pytest_cache .ruff_cache

@@ -1,9 +1,9 @@
 """``install()``: the process-wide workaround this torch needs, applied on request and reversible.
 
-Only one of nemo_ac's workarounds is process-wide: torch 2.13's FSDP2 runs its hooks under ``record_function``,
-whose ``profiler._record_function_enter_new / _enter / _exit`` ops enter every SAC region that holds an FSDP2 unit
+Only one of nemo_ac's workarounds is process-wide: FSDP2 runs its hooks under ``record_function``, whose ``profiler._record_function_enter_new / _enter / _exit`` ops enter every SAC region that holds an FSDP2 unit
 (a nested expert / router unit, or the block itself when the checkpoint sits outside its ``fully_shard``). The
-recompute then sees another number of them than the forward, and the first backward fails with::
+recompute then sees another number of them than the forward, and from torch 2.13 on (its SAC replays the recompute
+by invocation index) the first backward fails with::
 
     RuntimeError: profiler._record_function_enter_new.default invocation index 2 encountered during backward but
     not found in storage. This can happen if the operations in the checkpointed region are nondeterministic or
@@ -47,7 +47,7 @@ class CompatStatus:
 
     profiler_ops: ``"added"`` (install added them now), ``"installed"`` (present from an earlier install or a
         nemo_ac SAC factory), ``"upstream"`` (present before nemo_ac: torch or another library ignores them),
-        ``"not_needed"`` (torch below 2.13: FSDP2 emits no profiler ops in SAC regions), ``"unavailable"`` (this
+        ``"not_needed"`` (torch below 2.13: its SAC recompute asks the policy again and runs the extra ops), ``"unavailable"`` (this
         torch has no ``SAC_IGNORED_OPS`` or no profiler ops).
     """
 

@@ -5,7 +5,8 @@ prefetch, ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefet
 
     RuntimeError: fsdp.all_gather_copy_in.default encountered during backward but not found in storage
 
-Why: with explicit prefetch a nested unit is all-gathered by its predecessor's hook *outside* the region in forward
+Why (torch >= 2.13, where SAC's recompute looks every op up by invocation index; 2.12.1 asked the policy again and
+ran the extra ops, doctor: not affected): with explicit prefetch a nested unit is all-gathered by its predecessor's hook *outside* the region in forward
 but by its own hook *inside* the region in recompute, so ``fsdp.all_gather_copy_in``, ``c10d._allgather_base_`` and
 ``aten.empty.memory_format`` appear only in recompute (with explicit backward prefetch, the reverse). Ignoring them
 in ``SAC_IGNORED_OPS`` is not enough: FSDP's copy-out also emits ``aten.copy_`` / ``split_with_sizes_copy``, which

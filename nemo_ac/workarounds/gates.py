@@ -41,7 +41,7 @@ class TorchGate:
 
     since: Release
     until: Release | None = None
-    verified_on: str = "2.13.0"  # the releases the failure and the workaround were reproduced on
+    verified_on: str = "2.13.0"  # the releases the failure and the workaround were reproduced on (doctor)
 
     def active(self, torch_version: str | None = None) -> bool:
         release = torch_version_release(torch_version)
@@ -54,19 +54,26 @@ class TorchGate:
         return f">= {since}" if self.until is None else f"{since} to < {'.'.join(map(str, self.until))}"
 
 
-# One row per version-gated workaround (the registry's ``gate`` names a row).
+# One row per version-gated workaround (the registry's ``gate`` names a row). Re-checked on 2026-12-01 with
+# ``nemo-ac doctor`` on torch 2.12.1, 2.13.0, 2.14.1 and 2.15.0 (README: torch compatibility): every row below is
+# affected exactly where it is active, and no release up to 2.15.0 fixes one (every ``until`` stays None).
+VERIFIED_ON = "2.13.0, 2.14.1, 2.15.0"
 GATES: dict[str, TorchGate] = {
-    # FSDP2's hooks run under record_function from 2.13 on.
-    "profiler_ops_in_sac": TorchGate(since=(2, 13)),
-    # FSDP2 hooks are module forward hooks and SAC is torch's caching/cached mode pair on every torch nemo_ac
-    # supports (pyproject: >= 2.12); older releases' SAC internals were not checked.
-    "fsdp_hooks_in_sac": TorchGate(since=(2, 12), verified_on="2.12.1, 2.13.0"),
+    # torch 2.13's SAC replays the recompute by (op, invocation index) from what the forward stored and no longer
+    # asks the policy again, so an op that only the recompute runs (FSDP2's record_function profiler ops) has no
+    # entry. torch 2.12.1's recompute asks the policy and runs every op it does not save: not affected there
+    # (doctor: sac_profiler_ops not affected), although FSDP2 uses record_function on 2.12 as well.
+    "profiler_ops_in_sac": TorchGate(since=(2, 13), verified_on=VERIFIED_ON),
+    # The same 2.13 replay by invocation index: FSDP2's all-gather ops that only the recompute runs (explicit
+    # prefetch) have no entry. 2.12.1: not affected (doctor: sac_fsdp_prefetch passes without the workaround;
+    # nemo_ac's own policy never caches fsdp / c10d / mutating ops, which 2.12's recompute then simply runs).
+    "fsdp_hooks_in_sac": TorchGate(since=(2, 13), verified_on=VERIFIED_ON),
     # Dynamo / compiler config became per thread (ContextVar) in 2.12 (pytorch#173568).
-    "forward_thread_compile_config": TorchGate(since=(2, 12), verified_on="2.12.1, 2.13.0"),
+    "forward_thread_compile_config": TorchGate(since=(2, 12), verified_on="2.12.1, " + VERIFIED_ON),
     # Selective AC over an inductor-compiled block caches references into inductor-owned buffers.
-    "compiled_regions_under_sac": TorchGate(since=(2, 12)),
+    "compiled_regions_under_sac": TorchGate(since=(2, 12), verified_on=VERIFIED_ON),
     # Per-micro-batch Python ints specialize and recompile per value unless declared dynamic (every release).
-    "dynamic_per_batch_ints": TorchGate(since=(0,)),
+    "dynamic_per_batch_ints": TorchGate(since=(0,), verified_on=VERIFIED_ON),
 }
 
 

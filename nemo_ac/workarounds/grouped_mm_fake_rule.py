@@ -1,9 +1,13 @@
 """``aten._grouped_mm`` under ``torch.compile`` in fp32 / fp16: torch's fake rule accepts bf16 only.
 
-Error prevented (torch 2.13, compiling a block whose experts use ``grouped_mm`` in fp32: every tiny recipe on CPU)::
+Error prevented (torch 2.12, 2.13 and 2.14, compiling a block whose experts use ``grouped_mm`` in fp32: every tiny
+recipe on CPU)::
 
     torch._dynamo.exc.TorchRuntimeError: ... RuntimeError when making fake tensor call
     RuntimeError: Expected inputs of BF16 type but got mat_a.dtype=torch.float32 and mat_b.dtype=torch.float32.
+
+(torch 2.14 words it ``Expected mat_a to be BFloat16 or supported Float16 matrix, got torch.float32.``) torch 2.15.0's
+fake rule accepts fp32 and fp16 on CPU: there the probe below says so and the custom op is not used.
 
 Why: ``torch/_meta_registrations.py::_meta_grouped_mm_common`` (torch 2.13.0) was written for the CUDA bf16 kernel,
 while the eager CPU kernels take fp32, bf16 and fp16.

@@ -10,7 +10,10 @@ inside a checkpointed block, or the block itself with ``activation_checkpointing
 Why: FSDP2 runs its hooks under ``torch.profiler.record_function``, which dispatches
 ``profiler._record_function_enter / _enter_new / _exit``. A nested unit whose pre-backward hook has not fired yet
 when its block recomputes runs its full pre/post-forward in the recompute, with another number of those ops than
-in forward, so SAC's per-op invocation counters disagree.
+in forward. From torch 2.13 on, SAC's recompute mode looks every op up by (op, invocation index) in what the forward
+stored and no longer asks the policy, so the counters disagree. torch 2.12.1's recompute asked the policy again and
+ran every op it did not save: the same extra ops were harmless there (``nemo-ac doctor`` on 2.12.1: not affected),
+hence the gate from 2.13.
 
 Fix: every overload of the three ops goes into ``torch.utils.checkpoint.SAC_IGNORED_OPS`` (a module-level set torch's
 SAC modes read per op): ignored ops run normally in both passes and are never counted, which is right for ops that

@@ -7,9 +7,23 @@ returns instances of the private ``_CachingTorchDispatchMode`` / ``_CachedTorchD
 re-classed (``__class__`` assignment) as a subclass with a mixin in front, so nemo_ac never calls the private
 constructors (their signatures change between releases) and every other behaviour stays torch's.
 
-Two private pieces, each in one function below:
+Three private pieces, each in one function below:
 
 - ``_as_passthrough_mode``: the ``__class__`` assignment.
+- ``_choose_saved_tensors_hooks``: torch 2.14 added ``checkpoint(..., respect_saved_tensors_hooks=None|True|False)``
+  (pytorch/pytorch#190581): whether the tensors SAC caches go through a surrounding ``saved_tensors_hooks`` context
+  (``save_on_cpu``, an offloader, a memory spy). ``None``, the default, keeps the old behaviour (they bypass the
+  hooks) and warns whenever such hooks are in scope::
+
+      FutureWarning: A saved_tensors_hooks context (e.g. save_on_cpu) is active around a selective activation
+      checkpoint region. Tensors that SAC saves currently bypass these hooks, but a future release will route them
+      through the hooks like any other saved tensor. [...] passing respect_saved_tensors_hooks=True|False
+
+  and the next step of torch's rollout (pytorch/pytorch#191236) makes ``None`` an error. torch hands the choice to
+  the caching mode only when the ``context_fn``'s forward context *is* that mode; nemo_ac composes recompute
+  contexts (SAC modes + forward-thread compile context), so the choice is set on the mode itself here, from the
+  caller's explicit value (the mode's ``respect_saved_tensors_hooks`` attribute; absent before 2.14: nothing to
+  choose).
 - ``_inherit_hop_redirects``: torch registers how a higher-order op (``inductor_compiled_code``, ``flex_attention``,
   ``invoke_subgraph``, ...) meets a SAC mode with ``redirect_to_mode(hop, _CachingTorchDispatchMode)``, looked up by
   the mode's *exact* type; a subclass instance otherwise fails with::
@@ -24,10 +38,12 @@ Delete when: the workarounds that use it are deleted, or torch's SAC takes a pas
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 PassesThrough = Callable[[Any], bool]  # op -> run it directly, uncounted
@@ -93,6 +109,17 @@ def _redirect_hop_to_mode(hop: Any, mode: Any, *args: Any, **kwargs: Any) -> Any
     return mode.__torch_dispatch__(hop, [], args, kwargs)
 
 
+def _choose_saved_tensors_hooks(caching_mode: Any, respect: bool | None) -> None:
+    """Set torch's SAC choice of whether cached tensors go through saved-tensor hooks (None: leave torch's default)."""
+    if respect is not None and hasattr(caching_mode, "respect_saved_tensors_hooks"):
+        caching_mode.respect_saved_tensors_hooks = respect
+
+
+def checkpoint_takes_saved_tensors_hooks_choice() -> bool:
+    """Whether ``torch.utils.checkpoint.checkpoint`` takes ``respect_saved_tensors_hooks`` (torch >= 2.14)."""
+    return "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
+
+
 def _as_passthrough_mode(mode: Any, mixin: type, **attrs: Any) -> Any:
     base = type(mode)
     mode.__class__ = _region_class(base, mixin)
@@ -125,14 +152,18 @@ def passthrough_sac_modes(
     passes_through: PassesThrough,
     on_region_start: Callable[[], None] | None = None,
     explain_storage_error: ExplainError | None = None,
+    respect_saved_tensors_hooks: bool | None = None,
 ) -> tuple[Any, Any]:
     """torch's SAC ``(caching, cached)`` modes for ``policy`` (what ``create_selective_checkpoint_contexts`` takes),
     in which every op ``passes_through(op)`` accepts runs directly: neither counted, cached nor replayed.
 
     on_region_start: called when the forward region starts (reset per-thread bracket state).
     explain_storage_error: maps torch's "... not found in storage" RuntimeError to a clearer exception (None: keep).
+    respect_saved_tensors_hooks: whether the tensors SAC caches go through surrounding saved-tensor hooks (torch >=
+        2.14, see the module docstring); None leaves torch's default (its FutureWarning included).
     """
     caching, cached = create_selective_checkpoint_contexts(policy)
+    _choose_saved_tensors_hooks(caching, respect_saved_tensors_hooks)
     return (
         _as_passthrough_mode(
             caching,

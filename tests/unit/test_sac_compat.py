@@ -44,7 +44,7 @@ def test_profiler_overloads_are_all_resolved():
 
 @pytest.mark.parametrize(
     ("version", "installs"),
-    [("2.12.0", False), ("2.13.0a0+8145d630e8", True), ("2.13.0", True), ("2.14.1", True)],
+    [("2.12.0", False), ("2.13.0a0+8145d630e8", True), ("2.13.0", True), ("2.14.1", True), ("2.15.0", True)],
 )
 def test_version_gate(private_sac_ignored_ops, version, installs):
     before = set(private_sac_ignored_ops)
@@ -139,6 +139,10 @@ def test_full_and_none_modes_do_not_touch_the_set(private_sac_ignored_ops):
     assert private_sac_ignored_ops == before
 
 
-@pytest.mark.parametrize(("version", "supported"), [("2.11.0", False), ("2.12.0", True), ("2.13.0a0+abc", True)])
+@pytest.mark.parametrize(
+    ("version", "supported"),
+    [("2.11.0", False), ("2.12.1", False), ("2.13.0a0+abc", True), ("2.14.1", True), ("2.15.0", True)],
+)
 def test_fsdp_hook_bracket_gate(version, supported):
+    """On from 2.13, where SAC replays the recompute by invocation index (2.12.1: not affected, doctor)."""
     assert fsdp_hooks_in_sac.fsdp_hooks_outside_sac_supported(torch_version=version) is supported

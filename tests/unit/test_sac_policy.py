@@ -74,6 +74,31 @@ def test_fsdp_and_profiler_ops_are_never_cached(op):
     assert decision is RECOMPUTE and "never cached" in reason
 
 
+NEVER_CACHED = [
+    aten.copy_.default,
+    aten.scatter_.src,
+    aten.index_put_.default,
+    aten.split_with_sizes_copy.out,
+    aten.add_.Tensor,
+    torch.ops.fsdp.all_gather_copy_in.default,
+    torch.ops.fsdp.split_with_sizes_copy.default,
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+]
+
+
+@pytest.mark.parametrize("op", NEVER_CACHED, ids=str)
+def test_ops_nemo_ac_never_caches_carry_no_ordered_effect_torch_would_cache_anyway(op):
+    """torch 2.15's eager SAC turns PREFER_RECOMPUTE into MUST_SAVE for an op with an ordered effect (registered
+    through torch.library or inferred from TorchBind arguments; c10d excepted): "An ordered effect cannot be replayed
+    safely". nemo_ac's "never cached" decisions above rest on those ops being recomputed, so none of them may carry
+    such an effect (c10d ops do, and torch exempts them). Measured on 2.15.0 besides: no op that reaches the
+    override in the SAC, EP, CP, VL and compile unit tests has one."""
+    effects = pytest.importorskip("torch._higher_order_ops.effects")
+    assert _policy().decide(op)[0] is RECOMPUTE
+    assert not effects.has_effects(op), f"{op} has an ordered effect: torch >= 2.15 would cache it"
+
+
 def test_router_outputs_are_saved_unless_disabled():
     for op in (aten.topk.default, aten.sort.stable, aten.sort.default):
         assert _policy().decide(op)[0] is SAVE

@@ -38,7 +38,9 @@ def test_one_gate_table_and_every_gated_row_has_its_gate():
     assert all(row.needed_probe or not row.gated or row.name in GATES for row in WORKAROUNDS)
     assert workaround("profiler_ops_in_sac").active(torch_version="2.13.0a0+abc")
     assert not workaround("profiler_ops_in_sac").active(torch_version="2.12.1")
-    assert not workaround("fsdp_hooks_in_sac").active(torch_version="2.11.0")
+    assert not workaround("fsdp_hooks_in_sac").active(torch_version="2.12.1")
+    for release in ("2.13.0", "2.14.1", "2.15.0"):  # doctor: affected on each (README: torch compatibility)
+        assert all(workaround(name).active(torch_version=release) for name in GATES)
     with pytest.raises(KeyError, match="known:"):
         workaround("no_such_failure")
 

@@ -6,6 +6,12 @@ caching/cached pair re-classed (``workarounds.sac_mode_passthrough``) so that tw
 neither counted, cached nor replayed: ops of an FSDP2 unit's hooks (``workarounds.fsdp_hooks_in_sac``) and whole
 inductor-compiled regions (``workarounds.compiled_regions_under_sac``); torch's storage error is re-raised as
 ``SACDesyncError`` naming the region (``diagnostics.sac_explain``).
+
+The tensors SAC caches bypass surrounding ``saved_tensors_hooks`` (``SAC_CACHE_THROUGH_SAVED_TENSORS_HOOKS``): the
+behaviour nemo_ac is built and tested on (its memory accounting counts SAC's cache apart from what autograd packs,
+and validation rejects ``offload`` with ``mode: selective`` because the offloader's hooks never see that cache).
+torch 2.14 made this a choice, warned about when left open and due to become an error
+(``workarounds.sac_mode_passthrough``), so nemo_ac states it on every SAC region and every checkpoint call.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from nemo_ac.workarounds.compiled_regions_under_sac import is_compiled_region
 from nemo_ac.workarounds.fsdp_hooks_in_sac import fsdp_hook_running, reset_fsdp_hook_state
 from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored
 from nemo_ac.workarounds.sac_mode_passthrough import passthrough_sac_modes
+
+# Whether SAC-cached tensors go through surrounding saved-tensor hooks (torch >= 2.14 lets the caller choose).
+SAC_CACHE_THROUGH_SAVED_TENSORS_HOOKS = False
 
 ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
 PolicyFn = Callable[..., Any]
@@ -74,7 +83,11 @@ def selective_region_modes(
         return explain_sac_desync(exc, region=region, torch_version=torch.__version__, workarounds=workarounds)
 
     return passthrough_sac_modes(
-        policy, passes_through=_passes_through, on_region_start=reset_fsdp_hook_state, explain_storage_error=explain
+        policy,
+        passes_through=_passes_through,
+        on_region_start=reset_fsdp_hook_state,
+        explain_storage_error=explain,
+        respect_saved_tensors_hooks=SAC_CACHE_THROUGH_SAVED_TENSORS_HOOKS,
     )
 
 

@@ -4,7 +4,9 @@ Blocks are wrapped with torch's non-reentrant ``checkpoint_wrapper`` (DCP and HF
 ``_checkpoint_wrapped_module`` prefix, so checkpoint keys keep the HF names). Each wrapper's ``context_fn`` composes
 the recompute contexts the block's plan names: the SAC modes (selective), the forward-thread compile context
 (AC(compile(block)) blocks, ``workarounds.forward_thread_compile_config``) and routing replay (MoE blocks,
-``models.common.routing_replay``).
+``models.common.routing_replay``). Where torch's ``checkpoint`` takes ``respect_saved_tensors_hooks`` (2.14 on),
+every call passes nemo_ac's choice explicitly (``contexts.SAC_CACHE_THROUGH_SAVED_TENSORS_HOOKS``): left at None,
+torch warns on every SAC region under a saved-tensor hook and its next release raises.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from nemo_ac.distributed.activation_checkpointing.contexts import (
+    SAC_CACHE_THROUGH_SAVED_TENSORS_HOOKS,
     ContextFn,
     compose_context_fns,
     make_selective_checkpoint_context_fn,
@@ -26,6 +29,15 @@ from nemo_ac.distributed.plan import FORWARD_THREAD_COMPILE, ROUTING_REPLAY, SAC
 from nemo_ac.models.common.routing_replay import routing_replay_context
 from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
 from nemo_ac.workarounds.fsdp_hooks_in_sac import install_fsdp_hooks_outside_sac
+from nemo_ac.workarounds.sac_mode_passthrough import checkpoint_takes_saved_tensors_hooks_choice
+
+
+def checkpoint_kwargs() -> dict[str, object]:
+    """What every nemo_ac checkpoint call passes to ``torch.utils.checkpoint.checkpoint``."""
+    kwargs: dict[str, object] = {"use_reentrant": False}
+    if checkpoint_takes_saved_tensors_hooks_choice():
+        kwargs["respect_saved_tensors_hooks"] = SAC_CACHE_THROUGH_SAVED_TENSORS_HOOKS
+    return kwargs
 
 
 def wrap_block(block: nn.Module, *, context_fns: Sequence[ContextFn]) -> nn.Module:
@@ -35,7 +47,7 @@ def wrap_block(block: nn.Module, *, context_fns: Sequence[ContextFn]) -> nn.Modu
     return checkpoint_wrapper(
         block,
         checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-        checkpoint_fn=functools.partial(checkpoint, use_reentrant=False),
+        checkpoint_fn=functools.partial(checkpoint, **checkpoint_kwargs()),
         **kwargs,
     )
 
