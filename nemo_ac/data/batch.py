@@ -53,6 +53,23 @@ class StepBatches:
     dp_size: int
     grad_accum_steps: int
 
+    def _set_layout(self, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
+        """Checks and stores how the global batch splits over dp ranks and micro batches."""
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+        if global_batch_size % dp_size:
+            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by dp_size={dp_size}")
+        per_rank = global_batch_size // dp_size
+        if micro_batch_size < 1 or per_rank % micro_batch_size:
+            raise ValueError(
+                f"per-rank batch {per_rank} (global_batch_size {global_batch_size} / dp_size {dp_size}) is not "
+                f"divisible by micro_batch_size={micro_batch_size}"
+            )
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.per_rank = per_rank
+        self.grad_accum_steps = per_rank // micro_batch_size
+
     def batches_for_step(self, step: int) -> list[PackedBatch]:
         raise NotImplementedError
 

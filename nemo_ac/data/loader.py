@@ -58,16 +58,9 @@ class SyntheticBatches(StepBatches):
         dp_size: int,
         seed: int,
     ) -> None:
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if global_batch_size % dp_size:
-            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by dp_size={dp_size}")
-        per_rank = global_batch_size // dp_size
-        if micro_batch_size < 1 or per_rank % micro_batch_size:
-            raise ValueError(
-                f"per-rank batch {per_rank} (global_batch_size {global_batch_size} / dp_size {dp_size}) is not "
-                f"divisible by micro_batch_size={micro_batch_size}"
-            )
+        self._set_layout(
+            global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size
+        )
         self.cfg = data_cfg
         self.task = SyntheticTask(
             data_cfg.task,
@@ -75,12 +68,6 @@ class SyntheticBatches(StepBatches):
             min_doc_tokens=data_cfg.min_doc_tokens,
             max_doc_tokens=data_cfg.max_doc_tokens,
         )
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.per_rank = per_rank
-        self.grad_accum_steps = per_rank // micro_batch_size
         self.seed = seed
         self._lengths = None if data_cfg.fixed_length else length_choices(data_cfg.seq_len, data_cfg.pad_multiple)
         self.next_step = 0

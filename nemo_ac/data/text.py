@@ -174,14 +174,12 @@ class TextBatches(StepBatches):
         seed: int,
         documents: list[TokenizedDocument] | None = None,
     ) -> None:
-        per_rank, remainder = divmod(global_batch_size, dp_size)
-        if remainder or per_rank % micro_batch_size:
-            raise ValueError(f"global_batch_size={global_batch_size} does not split into dp={dp_size} x mb")
+        self._set_layout(
+            global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size
+        )
         self.cfg = data_cfg
         self.seq_len = data_cfg.seq_len
-        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.grad_accum_steps = per_rank // micro_batch_size
+        self.seed = seed
         if documents is None:
             tokenizer = build_text_tokenizer(data_cfg.tokenizer)
             if tokenizer.vocab_size > vocab_size:
