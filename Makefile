@@ -3,6 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The tiny Qwen3.6 MedPix recipe: EP2 x CP2, FSDP2, selective AC and torch.compile at once on 4 CPU processes.
+# `nemo-ac train` validates the recipe once, then execs torchrun (nemo_ac.launch: one-line failures).
 RECIPE ?= recipes/tiny/qwen3_6_medpix_tiny.yaml
 NPROC ?= 4
 ARGS ?=
@@ -23,7 +24,7 @@ $(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
 install: $(VENV)/.installed-$(EXTRAS)
 
 run: install
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m nemo_ac.train $(RECIPE) $(ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/nemo-ac train $(RECIPE) --nproc-per-node $(NPROC) $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -4,7 +4,9 @@
 # 1. tiny recipes on NCCL with inductor (1 rank each: one GPU), bf16 parameters, selective AC where the recipe sets it;
 # 2. the flagship layer benchmark with --device cuda (real per-rank shapes, memory caps only), --quick first;
 # 3. the CUDA-only kernels that are installed (Transformer Engine, DeepEP) are named, and absent ones said so;
-# 4. the packed-attention kernels on CUDA: FlexAttention (compiled, fwd + bwd) and the tiled op against SDPA.
+# 4. the packed-attention kernels on CUDA: FlexAttention (compiled, fwd + bwd) and the tiled op against SDPA;
+# 5. the mixer kernels (fla, mamba-ssm) against the torch ops (tests/unit/test_mixer_kernels_cuda.py; skips say why),
+#    and, where installed, the tiny Qwen3.6 / Nemotron recipes trained on them (steps 1 keep the torch ops).
 # Every step runs under its own timeout and the script goes on after a failure; its exit status counts failures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +39,8 @@ for mod in ("transformer_engine", "deep_ep", "fla", "mamba_ssm", "causal_conv1d"
     print(f"  {mod}: {'installed' if importlib.util.find_spec(mod) else 'not installed'}")
 EOF
 
-GPU=(dist.backend=nccl dist.device=cuda parallel.fsdp.param_dtype=bfloat16 compile.enabled=true train.steps=6)
+GPU=(dist.backend=nccl dist.device=cuda parallel.fsdp.param_dtype=bfloat16 compile.enabled=true train.steps=6
+  backend.linear_attention=torch backend.mamba=torch)
 step tiny_qwen3_moe 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.train recipes/tiny/qwen3_moe_tiny.yaml \
   "${GPU[@]}" logging.run_dir="$OUT/qwen3_moe" logging.progress_bar=never
 step tiny_qwen3_6_medpix 180 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.train \
@@ -47,6 +50,20 @@ step tiny_nemotron 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.tr
   recipes/tiny/nemotron_super_v3_tiny.yaml "${GPU[@]}" parallel.ep=1 logging.run_dir="$OUT/nemotron" \
   logging.progress_bar=never
 step attention_kernels_cuda 120 "$PY" benchmarks/attention_kernels_cuda.py
+step mixer_kernels_cuda 120 "$PY" -m pytest -q -rs tests/unit/test_mixer_kernels_cuda.py
+installed() { "$PY" -c "import importlib.util, sys; sys.exit(not all(importlib.util.find_spec(m) for m in sys.argv[1:]))" "$@"; }
+KERNELS=("${GPU[@]:0:5}")  # GPU minus the torch mixer ops
+if installed fla; then  # fla's Triton dots want head dims >= 16
+  step tiny_qwen3_6_fla 180 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.train \
+    recipes/tiny/qwen3_6_medpix_tiny.yaml "${KERNELS[@]}" backend.linear_attention=fla parallel.ep=1 parallel.cp=1 \
+    model.linear_attention.key_head_dim=16 model.linear_attention.value_head_dim=16 \
+    logging.run_dir="$OUT/qwen3_6_fla" logging.progress_bar=never
+else echo "=== tiny_qwen3_6_fla: skipped, fla not installed (pip install 'nemo_ac[fla]')"; fi
+if installed mamba_ssm causal_conv1d; then
+  step tiny_nemotron_mamba_ssm 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.train \
+    recipes/tiny/nemotron_super_v3_tiny.yaml "${KERNELS[@]}" backend.mamba=mamba_ssm parallel.ep=1 \
+    logging.run_dir="$OUT/nemotron_mamba_ssm" logging.progress_bar=never
+else echo "=== tiny_nemotron_mamba_ssm: skipped, mamba-ssm / causal-conv1d not installed"; fi
 step flagship_layers_quick_cuda 150 "$PY" benchmarks/flagship_layers.py --quick --device cuda
 step flagship_layers_cuda 240 "$PY" benchmarks/flagship_layers.py --device cuda --dtypes bfloat16
 echo "gpu_check: $failures failed step(s); logs in $OUT"

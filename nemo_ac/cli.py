@@ -1,37 +1,25 @@
-"""``nemo-ac`` console script: train (launches torchrun for you), validate (no training), doctor (torch probes),
-recipes (the shipped recipes); ``nemo-ac --version``."""
+"""``nemo-ac`` console script: train (launches torchrun for you), validate (no training), export (a DCP checkpoint ->
+a Hugging Face model directory), doctor (torch probes), recipes (the shipped recipes); ``nemo-ac --version``."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 
-from nemo_ac.config import ConfigError, RecipeConfig, check_environment, load_recipe, validate_recipe
+from nemo_ac.config import ConfigError, RecipeConfig
 from nemo_ac.config.recipes import resolve_recipe, shipped_recipes
 from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.doctor.args import add_doctor_arguments
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from nemo_ac.preflight import preflight  # the trainer's own checks (nemo_ac.train runs the same function)
+
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        layout = validate_recipe(recipe, world_size=args.world_size, source=args.recipe)
-        if recipe.model.pretrained or recipe.checkpoint.export_hf:
-            # HF weights: a local model.pretrained's config.json must match the recipe (needs torch + models).
-            from nemo_ac.trainer.hf_weights import check_hf_weights
-
-            mismatches = check_hf_weights(recipe)
-            if mismatches:
-                raise ConfigError(mismatches, source=args.recipe)
-        if args.check_env:
-            import torch
-
-            missing = check_environment(recipe, cuda_available=torch.cuda.is_available())
-            if missing:
-                raise ConfigError(missing, source=args.recipe)
+        checked = preflight(args.recipe, args.overrides, world_size=args.world_size, check_env=args.check_env)
+        recipe, layout = checked.recipe, checked.layout
         plan_lines = _plan_lines(recipe, layout) if args.plan else []
     except ConfigError as exc:
         print(f"nemo-ac validate: {exc}", file=sys.stderr)
@@ -40,16 +28,18 @@ def _validate(args: argparse.Namespace) -> int:
         f"{args.recipe}: OK at world size {layout.world_size}: dp_replicate {layout.dp_replicate} x dp_shard "
         f"{layout.dp_shard} x cp {layout.cp} ({recipe.parallel.cp_type}), ep {layout.ep} x ep_shard {layout.ep_shard}"
     )
-    for line in plan_lines:
+    for line in [*plan_lines, *(f"note | {note}" for note in checked.notes)]:
         print(line)
     return 0
 
 
 def _plan_lines(recipe: RecipeConfig, layout: ParallelLayout) -> list[str]:
-    """The parallel plan the run would print at start, decided on the model on meta (imports torch)."""
+    """The parallel plan the run would print at start, decided on the model on meta (imports torch).
+    ``dist.device: auto`` resolves as the run would resolve it on this machine."""
+    from nemo_ac.distributed.env import resolve_device_type
     from nemo_ac.trainer.build import plan_recipe
 
-    return plan_recipe(recipe, layout, device_type=recipe.dist.device).summary_lines()
+    return plan_recipe(recipe, layout, device_type=resolve_device_type(recipe.dist)).summary_lines()
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -65,12 +55,16 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     world_size = args.nproc_per_node * args.nnodes
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        validate_recipe(recipe, world_size=world_size, source=args.recipe)
+        # The ranks' own check (recipe, extras, checkpoint paths, HF config.json), once, here: a typo never reaches
+        # torchrun, whose failure report alone is 40 lines.
+        from nemo_ac.train import load_and_validate  # imports torch: only when the command runs
+
+        load_and_validate(args.recipe, args.overrides, world_size=world_size)
     except ConfigError as exc:
         print(f"nemo-ac train: {exc}", file=sys.stderr)
         return 2
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}"]
+    # torchrun in this process (nemo_ac.launch: torchrun with one-line endings): signals reach it directly.
+    command = [sys.executable, "-m", "nemo_ac.launch", f"--nproc-per-node={args.nproc_per_node}"]
     if args.nnodes == 1:
         command.append("--standalone")
     else:
@@ -84,7 +78,26 @@ def _train(args: argparse.Namespace) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     if args.max_restarts:  # a fresh rendezvous store per attempt (see trainer.checkpoint.elastic_restart_hazard)
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    return subprocess.call(command, env=env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(command[0], command, env)  # this process becomes torchrun
+    return 0  # not reached (the tests replace os.execvpe)
+
+
+def _export(args: argparse.Namespace) -> int:
+    if args.overrides:
+        print(f"nemo-ac export: takes no overrides: {' '.join(args.overrides)}", file=sys.stderr)
+        return 2
+    from nemo_ac.trainer.checkpoint_files import CheckpointError
+    from nemo_ac.trainer.export import export_checkpoint  # imports torch: only when the command runs
+
+    try:
+        done = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
+    except (CheckpointError, ConfigError) as exc:
+        print(f"nemo-ac export: {exc}", file=sys.stderr)
+        return 2
+    print(f"export | step {done.step} of {done.checkpoint} -> {done.out}")
+    return 0
 
 
 def _recipes(args: argparse.Namespace) -> int:
@@ -143,6 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--check-env", action="store_true", help="also require the optional extras it names")
     validate.add_argument("--plan", action="store_true", help="also print the parallel plan the run would apply")
     validate.set_defaults(func=_validate)
+
+    export = sub.add_parser(
+        "export", help="write a DCP checkpoint as a Hugging Face model directory (config, safetensors, tokenizer)"
+    )
+    export.add_argument("checkpoint", help="a run directory, a checkpoint.dir (its newest step) or a step_<N> dir")
+    export.add_argument("--out", required=True, help="the Hugging Face model directory to write (replaced whole)")
+    export.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="dtype of floating-point weights (default: checkpoint.export_dtype, else as trained)",
+    )
+    export.set_defaults(func=_export)
 
     doctor = sub.add_parser(
         "doctor", help="which FSDP2 + selective AC + compile failures this torch has, and whether nemo_ac fixes them"

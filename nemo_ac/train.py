@@ -5,6 +5,11 @@ parallelize -> materialize -> freeze -> optimizer/data) -> restore -> loop -> ex
 
 SIGTERM / SIGINT: every rank finishes the current step, step N is saved (checkpoint.enabled), the summary written,
 one line printed, exit code 0; a second signal exits at once with 128 + signum (nemo_ac.trainer.stop).
+
+Errors are printed once: a recipe error by global rank 0 only (every rank finds the same one; the others exit with
+the same code, 2, silently); a crash under torchrun as one line by the failing rank, its traceback going to
+torchrun's error file (``@record``), which torchrun's failure summary prints as the root cause. Outside torchrun a
+crash raises with its traceback as usual.
 """
 
 from __future__ import annotations
@@ -12,20 +17,28 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
-from nemo_ac.config import ConfigError, RecipeConfig, check_environment, load_recipe, to_dict, to_yaml, validate_recipe
+from nemo_ac.config import ConfigError, RecipeConfig, to_dict, to_yaml
 from nemo_ac.config.validate import ParallelLayout
+from nemo_ac.diagnostics.compile_progress import CompileProgress
 from nemo_ac.diagnostics.recompiles import CompileAccounting
 from nemo_ac.distributed.env import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env
+from nemo_ac.models import build_model, model_dtype
+from nemo_ac.preflight import preflight
 from nemo_ac.trainer.build import build_trainer, build_training
-from nemo_ac.trainer.checkpoint import Checkpointer, TrainingState, check_checkpoint_paths
+from nemo_ac.trainer.checkpoint import Checkpointer, TrainingState
 from nemo_ac.trainer.checkpoint_files import step_dir
-from nemo_ac.trainer.hf_weights import check_hf_weights, export_final_hf
-from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics
+from nemo_ac.trainer.flops import device_peak, model_flops_per_token
+from nemo_ac.trainer.hf_weights import export_final_hf
+from nemo_ac.trainer.metric_backends import build_backends
+from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics, Throughput
+from nemo_ac.trainer.progress import echo
 from nemo_ac.trainer.stop import StopSignal, signal_name
 from nemo_ac.workarounds.rendezvous_shared_store import elastic_restart_hazard
 
@@ -40,15 +53,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def load_and_validate(
     recipe_path: str, overrides: Sequence[str], *, world_size: int
 ) -> tuple[RecipeConfig, ParallelLayout]:
-    """Everything that can be wrong with a recipe fails here, before any process group exists."""
-    recipe = load_recipe(recipe_path, overrides)
-    layout = validate_recipe(recipe, world_size=world_size, source=recipe_path)
-    missing = check_environment(recipe, cuda_available=torch.cuda.is_available())
-    missing += check_checkpoint_paths(recipe.checkpoint)
-    missing += check_hf_weights(recipe)  # a local model.pretrained's config.json must match the recipe
-    if missing:
-        raise ConfigError(missing, source=recipe_path)
-    return recipe, layout
+    """Everything that can be wrong with a recipe fails here, before any process group exists: the same
+    ``nemo_ac.preflight`` that ``nemo-ac validate --check-env`` runs. Rank 0 prints what loading decided (where
+    ``model.pretrained``'s architecture came from, each recipe key overriding its config.json)."""
+    checked = preflight(
+        recipe_path, overrides, world_size=world_size, check_env=True, cuda_available=torch.cuda.is_available()
+    )
+    if checked.notes and os.environ.get("RANK", "0") == "0":
+        print("\n".join(f"note | {line}" for line in checked.notes), flush=True)
+    return checked.recipe, checked.layout
 
 
 def run(
@@ -65,19 +78,20 @@ def run(
         else None
     )
     if compile_accounting is not None and env.is_main:
-        print(f"compile | {plan.compile.backend} | layouts: {', '.join(map(str, plan.compile_layouts()))}")
+        echo(f"compile | {plan.compile.backend} | layouts: {', '.join(map(str, plan.compile_layouts()))}")
+    throughput = measure_throughput_basis(recipe, layout, env)  # every rank: the CPU probe runs under contention
     if env.is_main:
         Path(recipe.logging.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(recipe.logging.run_dir) / "recipe.yaml").write_text(to_yaml(recipe))
-        print(
+        echo(
             f"nemo_ac | {recipe.name} | world {layout.world_size} = dp_replicate {layout.dp_replicate} x dp_shard "
             f"{layout.dp_shard} x cp {layout.cp} (ep {layout.ep}) | {env.backend} on {env.device} | "
             f"params {sum(p.numel() for p in model.parameters()):,} ({setup.weights})"
-            + "".join(f" | frozen {group} {count:,}" for group, count in setup.frozen.items() if count),
-            flush=True,
+            + "".join(f" | frozen {group} {count:,}" for group, count in setup.frozen.items() if count)
         )
-        print("kernels | " + " | ".join(f"{name} {choice}" for name, choice in setup.kernels.items()), flush=True)
-        print("\n".join(plan.summary_lines()), flush=True)
+        echo("kernels | " + " | ".join(f"{name} {choice}" for name, choice in setup.kernels.items()))
+        echo("\n".join(plan.summary_lines()))
+        echo(throughput_line(throughput))
     checkpointer = Checkpointer(
         config=recipe.checkpoint, total_steps=recipe.train.steps, recipe=to_dict(recipe), device=env.device
     )
@@ -91,6 +105,12 @@ def run(
         jsonl=recipe.logging.jsonl,
         progress_bar=recipe.logging.progress_bar,
         log_every=recipe.logging.log_every,
+        throughput=throughput,
+        backends=build_backends(
+            recipe.logging, run_name=recipe.name, recipe=to_dict(recipe), resumed_from_step=resumed_step
+        )
+        if env.is_main
+        else (),
     )
     metric_sources = compile_accounting.metric_sources() if compile_accounting else {}
     offloader = plan.applied.offloader  # activation_checkpointing.offload: tensors / MiB moved to host memory
@@ -98,10 +118,25 @@ def run(
         metric_sources.update(offloader.metric_sources())
     trainer = build_trainer(setup, logger=logger, metric_sources=metric_sources)
     trainer.step = resumed_step
-    history = trainer.fit(
-        on_step_end=lambda step: checkpointer.on_step_end(step, state),
-        should_stop=(lambda: stop.agreed(env.device)) if stop is not None else None,
-    )
+    compile_progress = None
+    if plan.compile is not None and env.is_main and resumed_step < recipe.train.steps:
+        echo(
+            "compile | the first step compiles every block layout (forward, then backward): minutes on CPU with a "
+            "cold inductor cache, seconds once TORCHINDUCTOR_CACHE_DIR holds it (README 'First run')"
+        )
+        compile_progress = CompileProgress(echo).install()
+    logger.start_progress()
+    try:
+        history = trainer.fit(
+            on_step_end=lambda step: checkpointer.on_step_end(step, state),
+            should_stop=(lambda: stop.agreed(env.device)) if stop is not None else None,
+        )
+    except BaseException:
+        logger.close()  # end the bar's line: the error report must not start on it
+        raise
+    finally:
+        if compile_progress is not None:
+            compile_progress.close()
     if stop is not None and stop.signum:
         message = save_on_signal(
             recipe,
@@ -114,20 +149,39 @@ def run(
         logger.event("stop", signal=signal_name(stop.signum), at_step=trainer.step)
         logger.summary({"resumed_from_step": resumed_step, "stopped_by": signal_name(stop.signum)})
         if env.is_main:
-            print(message, file=sys.stderr, flush=True)
+            echo(message, file=sys.stderr)
         return history
     if recipe.checkpoint.export_hf:
-        exported = export_final_hf(model, config=recipe.checkpoint)
+        exported = export_final_hf(model, config=recipe.checkpoint, recipe=recipe)
         if env.is_main:
-            print(f"export | Hugging Face checkpoint at step {trainer.step}: {exported}", flush=True)
+            echo(f"export | Hugging Face checkpoint at step {trainer.step}: {exported}")
     summary_extra = {"resumed_from_step": resumed_step} if resumed_step else {}
     if compile_accounting is not None:
         compile_accounting.close()
         summary_extra.update(compile_accounting.summary())
-        if env.is_main:
-            print(compile_accounting.report(), flush=True)
     logger.summary(summary_extra or None)
+    if compile_accounting is not None and env.is_main:
+        echo(compile_accounting.report())
     return history
+
+
+def measure_throughput_basis(recipe: RecipeConfig, layout: ParallelLayout, env: DistEnv) -> Throughput:
+    """Model FLOPs per token (from the model on meta: parallelization shards the experts) and the device's peak
+    (a datasheet number on GPU, a matmul probe on CPU) for tokens/s per rank and MFU (nemo_ac.trainer.flops)."""
+    flops = model_flops_per_token(build_model(recipe.model, device="meta"), recipe)
+    peak, reason = device_peak(env.device, model_dtype(recipe.parallel.fsdp.param_dtype))
+    if peak is None:
+        return Throughput(world_size=layout.world_size, flops_per_token=flops, peak_source=reason)
+    return Throughput(layout.world_size, flops, peak.flops, peak.source)
+
+
+def throughput_line(throughput: Throughput) -> str:
+    if throughput.peak_flops is None:
+        return f"flops | {throughput.flops_per_token / 1e6:,.2f} MFLOP per token | {throughput.peak_source}"
+    return (
+        f"flops | {throughput.flops_per_token / 1e6:,.2f} MFLOP per token | peak {throughput.peak_flops / 1e12:,.3f} "
+        f"TFLOP/s per rank ({throughput.peak_source}) for mfu"
+    )
 
 
 def save_on_signal(
@@ -151,15 +205,33 @@ def save_on_signal(
     return f"{head}: checkpoint saved to {path}; {how} to continue"
 
 
+MAX_ERROR_CHARS = 600  # of the one-line crash report; the error file has the whole message and traceback
+
+
+def _rank() -> str:
+    return os.environ.get("RANK", "0")
+
+
+def report_config_error(exc: ConfigError, *, quiet_wait_s: float = 5.0) -> None:
+    """Print a recipe error once. Every rank validates the same recipe and finds the same problems, so rank 0
+    reports and the others wait ``quiet_wait_s`` in silence: torchrun, seeing rank 0 exit, ends them (SIGTERM) before
+    they print. A rank still alive after the wait found a problem rank 0 did not (a missing package on its node)
+    and reports it itself."""
+    if _rank() != "0":
+        time.sleep(quiet_wait_s)
+    print(f"nemo_ac: {exc}", file=sys.stderr, flush=True)
+
+
+@record  # under torchrun: a crash's traceback goes to the error file, which torchrun's summary prints
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         recipe, layout = load_and_validate(args.recipe, args.overrides, world_size=world_size_from_env())
     except ConfigError as exc:
-        print(f"nemo_ac: {exc}", file=sys.stderr)
+        report_config_error(exc)
         return 2
     hazard = elastic_restart_hazard()
-    if hazard and os.environ.get("RANK", "0") == "0":
+    if hazard and _rank() == "0":
         print(f"nemo_ac WARNING: {hazard}", file=sys.stderr, flush=True)
     stop = StopSignal().install()  # before the process group: a signal during start-up stops before step 1
     env = init_distributed(recipe.dist)
@@ -172,5 +244,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0  # also after a SIGTERM / SIGINT stop, whose state is saved (nemo_ac.trainer.stop says why)
 
 
+def entry() -> int:
+    """``main`` with a crash under torchrun reported as one line on the failing rank: ``@record`` has written the
+    traceback to ``TORCHELASTIC_ERROR_FILE`` and torchrun prints it in its failure summary, so repeating it here on
+    every failing rank would only bury it. Without torchrun (no error file) the exception propagates."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    try:
+        return main()
+    except Exception as exc:
+        if not error_file:
+            raise
+        text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())  # a listed error: one line
+        if len(text) > MAX_ERROR_CHARS:
+            text = text[: MAX_ERROR_CHARS - 3] + "..."
+        print(
+            f"nemo_ac: rank {_rank()} failed: {type(exc).__name__}: {text} (traceback: torchrun's summary, {error_file})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+
+
 if __name__ == "__main__":
-    exit_process(main())
+    exit_process(entry())

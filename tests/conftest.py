@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +10,10 @@ import torch.distributed as dist
 from torch.utils import checkpoint as torch_checkpoint
 
 from nemo_ac.doctor import isolation
+
+# No test may reach the Hugging Face Hub (CI has no network; a Hub id must resolve from a snapshot, the cache or fail
+# fast). Set before huggingface_hub is imported, which reads it once; torchrun workers inherit it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")

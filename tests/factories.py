@@ -12,6 +12,7 @@ import torch
 
 from nemo_ac.config.schema import LinearAttentionConfig, MambaConfig, ModelConfig, MoEConfig
 from nemo_ac.models import build_model
+from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.expert_bias import biased_routers
 from nemo_ac.models.hf import INDEX_FILE
 from nemo_ac.models.init import materialize_and_init
@@ -266,3 +267,15 @@ def run_side_by_side(runs: dict, *, seq: int, hidden: int) -> dict[str, tuple]:
         (out * probe).sum().backward()
         results[name] = (out.detach(), x.grad, {k: p.grad for k, p in params.items()})
     return results
+
+
+def packed_square_loss(model: torch.nn.Module) -> float:
+    """One forward + backward of a tiny LM on two packed rows (seeded ids, 7-token documents, vocab 64): the
+    mean squared logit (a loss with a gradient everywhere). The same inputs everywhere, so losses compare."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (2, 40), generator=g)
+    doc = (torch.arange(40) // 7).expand(2, 40).contiguous()
+    out = model(ids, position_ids=(torch.arange(40) % 7).expand(2, 40).contiguous(), attn=build_attention_inputs(doc))
+    loss = out.logits.float().square().mean()
+    loss.backward()
+    return loss.item()

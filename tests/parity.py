@@ -22,14 +22,19 @@ losses relative to the reference loss):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tests.launch import ROOT, run_script
+
 CHECKPOINT_PREFIX = "._checkpoint_wrapped_module"
+PARITY_WORKER = ROOT / "tests" / "functional" / "workers" / "parity.py"
 
 
 @dataclass(frozen=True)
@@ -113,3 +118,20 @@ def assert_parity(
     assert worst <= tolerance.grad, f"{name}: gradient of {worst_name} off by {worst:.3g} relative (> {tolerance.grad})"
     assert loss <= tolerance.loss, f"{name}: loss off by {loss:.3g} relative (> {tolerance.loss}): {losses}"
     return worst, loss
+
+
+def run_parity_cells(cells: list[dict], *, world_size: int, out_dir: Path) -> dict[str, dict]:
+    """One torchrun launch of the parity worker over ``cells`` (each ``{"name", "recipe", "overrides", ...}``, run in
+    sequence); returns each cell's result by name with its gradient snapshot under ``"grads"``. Fails with the
+    tracebacks of the cells that failed and the launch's output tail."""
+    spec = out_dir / "cells_spec.json"
+    spec.write_text(json.dumps(cells))
+    proc = run_script(PARITY_WORKER, nproc=world_size, args=[str(out_dir), str(spec)], timeout=1200)
+    results = {c["name"]: c for c in json.loads((out_dir / "cells.json").read_text())} if proc.returncode == 0 else {}
+    assert proc.returncode == 0 and all(c["ok"] for c in results.values()), (
+        [c.get("traceback") for c in results.values() if not c["ok"]],
+        (proc.stdout + proc.stderr)[-6000:],
+    )
+    for name, cell in results.items():
+        cell["grads"] = torch.load(out_dir / f"{name}.pt")
+    return results

@@ -8,6 +8,7 @@ import importlib.util
 
 from nemo_ac.config.deepep import deepep_environment_issues
 from nemo_ac.config.errors import ConfigIssue
+from nemo_ac.config.mixer_kernels import mixer_kernel_environment_issues
 from nemo_ac.config.schema import RecipeConfig
 
 _EXTRAS = {
@@ -48,12 +49,37 @@ def check_environment(recipe: RecipeConfig, *, cuda_available: bool | None = Non
             )
         )
     issues += deepep_environment_issues(recipe, cuda_available=cuda_available)  # deep_ep and a GPU
+    issues += _metrics_backend_issues(recipe)
+    issues += mixer_kernel_environment_issues(recipe, cuda_available=cuda_available)  # fla / mamba_ssm: a GPU
     needs_cuda = "te" in values.values() or recipe.dist.backend == "nccl"
     if needs_cuda and cuda_available is False:
         issues.append(
             ConfigIssue(
                 "backend" if recipe.dist.backend != "nccl" else "dist.backend",
                 "this recipe needs CUDA (te / nccl) but no GPU is visible",
+            )
+        )
+    return issues
+
+
+def _metrics_backend_issues(recipe: RecipeConfig) -> list[ConfigIssue]:
+    """The metrics backends beside JSONL: each needs its optional package on rank 0 (checked on every rank, before
+    the process group, so a run never trains for hours and then fails to write its first record)."""
+    issues = []
+    if recipe.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        issues.append(
+            ConfigIssue(
+                "logging.tensorboard",
+                "true needs the optional package 'tensorboard', which is not installed: "
+                "pip install 'nemo_ac[tensorboard]', or set logging.tensorboard: false",
+            )
+        )
+    if recipe.logging.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        issues.append(
+            ConfigIssue(
+                "logging.wandb.mode",
+                f"{recipe.logging.wandb.mode!r} needs the optional package 'wandb', which is not installed: "
+                "pip install 'nemo_ac[wandb]', or set logging.wandb.mode: disabled",
             )
         )
     return issues

@@ -1,7 +1,10 @@
 """Load a YAML recipe with omegaconf, merge ``key=value`` overrides, convert to the typed schema.
 
 Conversion walks the dataclasses in ``schema`` key by key and collects every problem into one ``ConfigError``:
-unknown keys (with the closest valid key), wrong types, values outside a ``Literal``.
+unknown keys (with the closest valid key), wrong types, values outside a ``Literal``. Before that, a
+``model.pretrained`` fills every architecture key the recipe does not set from the checkpoint's config.json
+(``config.pretrained``): the merged YAML + overrides are exactly the keys the user wrote, so schema defaults never
+override config.json; each explicit key that does becomes one line in ``notes``.
 """
 
 from __future__ import annotations
@@ -17,13 +20,18 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue, did_you_mean
+from nemo_ac.config.pretrained import fill_model_section
 from nemo_ac.config.schema import RecipeConfig
 
 _MISSING = object()
 
 
-def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> RecipeConfig:
-    """Recipe file + dotlist overrides -> typed ``RecipeConfig`` (not yet cross-validated)."""
+def load_recipe(
+    path: str | Path, overrides: typing.Sequence[str] = (), *, notes: list[str] | None = None
+) -> RecipeConfig:
+    """Recipe file + dotlist overrides -> typed ``RecipeConfig`` (not yet cross-validated). ``notes`` (when given)
+    collects what loading decided for the user to see: where ``model.pretrained``'s architecture came from and each
+    recipe key that overrides its config.json."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(ConfigIssue("", f"recipe file '{path}' does not exist"))
@@ -34,7 +42,7 @@ def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recip
     if not isinstance(base, DictConfig):
         raise ConfigError(ConfigIssue("", "a recipe must be a mapping of sections"), source=str(path))
     merged = merge_overrides(base, overrides, source=str(path))
-    return recipe_from_container(merged, source=str(path))
+    return recipe_from_container(merged, source=str(path), notes=notes)
 
 
 def merge_overrides(base: DictConfig, overrides: typing.Sequence[str], *, source: str | None = None) -> DictConfig:
@@ -52,12 +60,21 @@ def merge_overrides(base: DictConfig, overrides: typing.Sequence[str], *, source
         raise ConfigError(ConfigIssue("", f"cannot apply overrides {list(overrides)}: {exc}"), source=source) from exc
 
 
-def recipe_from_container(data: DictConfig | dict[str, Any], *, source: str | None = None) -> RecipeConfig:
+def recipe_from_container(
+    data: DictConfig | dict[str, Any], *, source: str | None = None, notes: list[str] | None = None
+) -> RecipeConfig:
+    """The typed recipe of a mapping holding only the keys a user set (``model.pretrained`` fills the rest of
+    ``model`` from its config.json, see ``load_recipe``)."""
     if isinstance(data, DictConfig):
         try:
             data = typing.cast(dict[str, Any], OmegaConf.to_container(data, resolve=True))
         except OmegaConfBaseException as exc:
             raise ConfigError(ConfigIssue("", f"cannot resolve interpolations: {exc}"), source=source) from exc
+    if isinstance(data, dict) and isinstance(data.get("model"), dict) and data["model"].get("pretrained"):
+        try:
+            data = {**data, "model": fill_model_section(data["model"], notes)}
+        except ConfigError as exc:
+            raise ConfigError(exc.issues, source=source) from exc
     issues: list[ConfigIssue] = []
     recipe = _convert(RecipeConfig, data, "", issues)
     if issues:

@@ -10,7 +10,7 @@ from nemo_ac.config.errors import ConfigIssue
 from nemo_ac.config.families import family_problems
 from nemo_ac.config.schema import RecipeConfig
 
-# Families whose mixers are not softmax attention everywhere (ring CP cannot pass their recurrent state).
+# The layer_pattern characters each hybrid family accepts.
 _LAYER_PATTERN_CHARS = {"nemotron_h": set("M*E-"), "qwen3_5_moe": set("LA")}
 
 

@@ -122,8 +122,9 @@ class ModelConfig:
     # Nemotron 3), qwen3_5_moe (Qwen3.5/3.6 vision-language MoE). Validation rejects options a family lacks.
     family: Family = "qwen3_moe"
     # Optional: Hugging Face model id or local dir whose safetensors are loaded after parallelization (random init
-    # otherwise). The architecture is built from the fields below; a local dir's config.json must agree with them
-    # (checked before any process group starts; a Hub id is checked after download, before loading). docs/models.md.
+    # otherwise). Its config.json fills every architecture field below that the recipe does not set (a Hub id's from
+    # recipes/hf_configs/, the HF cache or a download); a recipe key that overrides it is noted, and rejected when it
+    # changes a weight's shape or the math. A Hub id's downloaded config.json is checked again before loading.
     pretrained: str | None = None
     vocab_size: int = 128  # token embedding rows (and lm_head outputs)
     hidden_size: int = 64  # residual stream width
@@ -182,6 +183,15 @@ class BackendConfig:
     # across nodes, also 24, 48, 96 with DeepEP 2.x; parallel.fsdp.param_dtype bfloat16; DeepEP built from source,
     # README "The DeepEP backend").
     dispatcher: Literal["torch", "deepep"] = "torch"
+    # Gated DeltaNet core (conv1d + gated delta rule, qwen3_5_moe): torch = nemo_ac's chunked torch op (runs
+    # everywhere, the reference); fla = flash-linear-attention's Triton kernels (causal_conv1d and
+    # chunk_gated_delta_rule with cu_seqlens; CUDA, nemo_ac[fla]); auto = fla where CUDA and fla are present, torch
+    # elsewhere and under parallel.cp_type: ring. The plan prints the choice per block.
+    linear_attention: Literal["auto", "torch", "fla"] = "auto"
+    # Mamba-2 core (conv1d + SSD scan, nemotron_h): torch = nemo_ac's chunked torch op; mamba_ssm = mamba-ssm's
+    # Triton chunk scan and causal-conv1d's conv, both with seq_idx (CUDA; built from source, README "Mixer
+    # kernels"); auto = mamba_ssm where CUDA and both packages are present, torch elsewhere and under ring CP.
+    mamba: Literal["auto", "torch", "mamba_ssm"] = "auto"
 
 
 @dataclass
@@ -415,14 +425,30 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases run (rank 0), beside metrics.jsonl; needs the optional extra: pip install 'nemo_ac[wandb]'."""
+
+    # disabled: no W&B run; offline: a local run directory under run_dir/wandb (`wandb sync` uploads it later);
+    # online: streams to the W&B server (needs `wandb login` or WANDB_API_KEY on rank 0's node).
+    mode: Literal["disabled", "offline", "online"] = "disabled"
+    project: str = "nemo_ac"  # W&B project
+    name: str | None = None  # run name (null: the recipe's name)
+
+
+@dataclass
 class LoggingConfig:
     """What rank 0 prints and writes."""
 
     run_dir: str = "runs/latest"  # rank 0 writes recipe.yaml (resolved), metrics.jsonl and summary.json here
-    log_every: int = 1  # print a metrics line every N steps and at the last one (without the progress bar)
-    # "auto": a progress bar when stdout is a terminal (YAML reads on/off as booleans, hence always/never).
+    # Print a metrics line every N steps and at the last one when there is no progress bar (stdout not a terminal).
+    log_every: int = 1
+    # "auto": a tqdm progress bar (elapsed, ETA, tokens/s, loss) when stdout is a terminal, plain lines otherwise
+    # (YAML reads on/off as booleans, hence always/never).
     progress_bar: Literal["auto", "always", "never"] = "auto"
     jsonl: bool = True  # write one JSON record per step to run_dir/metrics.jsonl
+    # Also write TensorBoard event files to run_dir/tensorboard (pip install 'nemo_ac[tensorboard]').
+    tensorboard: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """``_target_`` instantiation for extension points (optimizer, scheduler, dataset), limited to an allowlist: the
-built-in prefixes (``validate.TARGET_ALLOWLIST``) plus the recipe's ``extensions.allow``.
+built-in prefixes (``rules_extensions.TARGET_ALLOWLIST``) plus the recipe's ``extensions.allow``.
 
 The allowlist is checked again here (not only in validation) because this is where the import happens.
 """
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
-from nemo_ac.config.validate import target_allowed, target_refusal
+from nemo_ac.config.rules_extensions import target_allowed, target_refusal
 
 
 def resolve_target(path: str, *, key: str, allow: Sequence[str] = ()) -> Any:

@@ -2,19 +2,21 @@
 
 Each rule is a small function ``rule(recipe, world_size) -> list[ConfigIssue]`` in ``RULES``; every message names
 the key, the bad value and what would work. ``validate_recipe`` runs them all and resolves the parallel layout.
-The model and data rules live in ``rules_model``, DeepEP's in ``deepep``; ``environment.check_environment``
-separately verifies that the optional extras a recipe asks for are importable.
+The model and data rules live in ``rules_model``, the ``_target_`` allowlist and ``extensions.allow`` in
+``rules_extensions``, DeepEP's in ``deepep``, the mixer kernels' in ``mixer_kernels``;
+``environment.check_environment`` separately verifies that the optional extras a recipe asks for are importable.
 """
 
 from __future__ import annotations
 
 import math
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nemo_ac.config.deepep import check_deepep
 from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.config.mixer_kernels import check_mixer_kernels
+from nemo_ac.config.rules_extensions import check_extensions, check_target
 from nemo_ac.config.rules_model import (
     check_data,
     check_experts,
@@ -24,28 +26,6 @@ from nemo_ac.config.rules_model import (
     check_vision_language,
 )
 from nemo_ac.config.schema import RecipeConfig
-
-# _target_ extension points may only name callables under these module prefixes, or under a prefix the recipe lists
-# in extensions.allow.
-TARGET_ALLOWLIST = ("torch.optim.", "nemo_ac.")
-
-
-def prefix_matches(target: str, prefix: str) -> bool:
-    """``"mypkg."`` matches everything under mypkg; ``"mypkg.optim"`` matches that module and its submodules."""
-    return target.startswith(prefix if prefix.endswith(".") else prefix + ".")
-
-
-def target_allowed(target: str, allow: Sequence[str] = ()) -> bool:
-    return target.startswith(TARGET_ALLOWLIST) or any(prefix_matches(target, p) for p in allow if p.strip())
-
-
-def target_refusal(target: str, allow: Sequence[str] = ()) -> str:
-    """Why ``target`` is refused, naming the key that would allow it."""
-    extra = f" or extensions.allow {list(allow)}" if allow else ""
-    return (
-        f"{target!r} is outside the allowed module prefixes {list(TARGET_ALLOWLIST)}{extra}; to import your own "
-        f"module, add its prefix to extensions.allow (e.g. extensions.allow: ['{target.split('.')[0]}.'])"
-    )
 
 
 @dataclass(frozen=True)
@@ -153,15 +133,7 @@ def check_context_parallel(recipe: RecipeConfig, world_size: int) -> list[Config
                     "backend.attention: sdpa or parallel.cp_type: ulysses (which runs the te op on its head shards)",
                 )
             )
-        hybrid = m.family in ("nemotron_h", "qwen3_5_moe")
-        if hybrid:
-            issues.append(
-                ConfigIssue(
-                    "parallel.cp_type",
-                    f"ring CP passes K/V blocks of softmax attention; family {m.family} has recurrent "
-                    "(Mamba / linear-attention) layers whose state cannot be ring-passed. Use cp_type: ulysses",
-                )
-            )
+        issues.extend(_ring_recurrent_mixer_issues(recipe))
     divisor = 2 * par.cp if par.cp_type == "ring" else par.cp
     if data.kind in ("synthetic", "text"):
         if data.seq_len % divisor != 0:
@@ -179,6 +151,27 @@ def check_context_parallel(recipe: RecipeConfig, world_size: int) -> list[Config
     elif data.max_length % divisor != 0:
         issues.append(ConfigIssue("data.max_length", f"{data.max_length} must be divisible by {divisor} under CP"))
     return issues
+
+
+def _ring_recurrent_mixer_issues(recipe: RecipeConfig) -> list[ConfigIssue]:
+    """Ring CP passes the recurrent state between slices (``context_parallel.state_passing``); the conv's
+    ``conv_kernel - 1`` halo tokens must come from the previous slice alone, so a slice (``S / (2 cp)`` of the
+    shortest row) must hold at least that many tokens."""
+    par, m, data = recipe.parallel, recipe.model, recipe.data
+    kernel = {"qwen3_5_moe": m.linear_attention.conv_kernel, "nemotron_h": m.mamba.conv_kernel}.get(m.family)
+    if kernel is None or data.kind not in ("synthetic", "text"):
+        return []
+    key, shortest = ("data.seq_len", data.seq_len) if data.fixed_length else ("data.pad_multiple", data.pad_multiple)
+    if shortest // (2 * par.cp) >= kernel - 1:
+        return []
+    return [
+        ConfigIssue(
+            key,
+            f"{shortest} gives ring CP slices of {shortest // (2 * par.cp)} tokens (rows / 2*cp={2 * par.cp}), fewer "
+            f"than the recurrent mixers' conv halo ({kernel - 1} = conv_kernel - 1 tokens from the previous slice); "
+            f"use rows of at least {2 * par.cp * (kernel - 1)} tokens, fewer CP ranks, or cp_type: ulysses",
+        )
+    ]
 
 
 def _ulysses_recurrent_mixer_issues(recipe: RecipeConfig) -> list[ConfigIssue]:
@@ -262,49 +255,6 @@ def check_training(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
         issues.append(ConfigIssue("train.grad_clip", f"must be a finite number >= 0 (0 disables), got {t.grad_clip}"))
     for key, spec in (("train.optimizer", t.optimizer), ("train.scheduler", t.scheduler)):
         issues.extend(check_target(key, spec, recipe.extensions.allow))
-    return issues
-
-
-def check_target(key: str, spec: dict | None, allow: Sequence[str] = ()) -> list[ConfigIssue]:
-    if spec is None:
-        return []
-    target = spec.get("_target_")
-    if not isinstance(target, str) or not target:
-        return [ConfigIssue(f"{key}._target_", "missing; give a dotted path such as torch.optim.AdamW")]
-    if not target_allowed(target, allow):
-        return [ConfigIssue(f"{key}._target_", target_refusal(target, allow))]
-    return []
-
-
-def check_extensions(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
-    """extensions.allow holds module prefixes; data.source is a _target_ like train.optimizer."""
-    issues = []
-    for i, prefix in enumerate(recipe.extensions.allow):
-        parts = prefix.removesuffix(".").split(".")
-        if not prefix.strip():
-            issues.append(ConfigIssue(f"extensions.allow[{i}]", "must not be empty (it would allow every module)"))
-        elif not all(part.isidentifier() for part in parts):
-            issues.append(
-                ConfigIssue(
-                    f"extensions.allow[{i}]",
-                    f"{prefix!r} is not a module prefix; give a dotted module path ending in '.' ('mypkg.': every "
-                    "module under mypkg) or a full module path ('mypkg.optim': that module and its submodules)",
-                )
-            )
-        elif parts[0] in sys.stdlib_module_names:
-            issues.append(
-                ConfigIssue(
-                    f"extensions.allow[{i}]",
-                    f"{prefix!r} is in the Python standard library; extensions.allow is for your own modules (an "
-                    "optimizer, scheduler or batch source): list their package, e.g. 'mypkg.'",
-                )
-            )
-    data = recipe.data
-    issues.extend(check_target("data.source", data.source, recipe.extensions.allow))
-    if data.source is not None and data.kind != "synthetic":
-        issues.append(
-            ConfigIssue("data.kind", f"{data.kind!r} with data.source: the source replaces data.kind; drop one of them")
-        )
     return issues
 
 
@@ -470,6 +420,7 @@ RULES: list[Rule] = [
     check_freeze,
     check_dist,
     check_deepep,
+    check_mixer_kernels,
     check_checkpoint,
     check_extensions,
 ]

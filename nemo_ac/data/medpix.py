@@ -29,7 +29,6 @@ downloaded by local rank 0 of each node while the node's other ranks wait at a b
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nemo_ac.config.schema import DataConfig, VisionConfig
 from nemo_ac.data.batch import IGNORE_INDEX, PackedBatch, StepBatches
@@ -51,6 +49,7 @@ from nemo_ac.data.medpix_encoding import (
     open_image,
 )
 from nemo_ac.data.medpix_sample import synthetic_medpix_records
+from nemo_ac.distributed.env import once_per_node
 
 _EPOCH_STREAM = 3
 _TABULAR = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
@@ -79,26 +78,7 @@ def load_medpix_dataset(path: str, split: str = "train") -> tuple[Sequence[dict[
         return datasets.load_dataset(builder, data_files=str(local), split="train"), local.parent
     if local.is_dir():
         return datasets.load_dataset(str(local), split=split), local
-    return load_once_per_node(lambda: datasets.load_dataset(path, split=split)), None
-
-
-def load_once_per_node(load: Callable[[], Any]) -> Any:
-    """``load()`` on local rank 0 of each node first, then on the node's other ranks after a barrier (they read the
-    cache it filled: a Hub dataset is downloaded once per node, not once per rank). Without a process group: just
-    ``load()``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return load()
-    result, error = None, None
-    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    if first:
-        try:
-            result = load()
-        except Exception as err:  # still reach the barrier: the node's other ranks wait there
-            error = err
-    dist.barrier()
-    if error is not None:
-        raise error
-    return result if first else load()
+    return once_per_node(lambda: datasets.load_dataset(path, split=split)), None
 
 
 def without_image_decoding(dataset: Sequence[dict[str, Any]], column: str) -> Sequence[dict[str, Any]]:

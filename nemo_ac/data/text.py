@@ -145,7 +145,7 @@ def tokenize_documents(rows: Any, cfg: DataConfig, tokenizer: _TinyText | _HFTex
 
 def _load_rows(cfg: DataConfig) -> Any:
     """The dataset's rows, through MedPix's reader of local files, ``save_to_disk`` dirs and Hub ids (a Hub id is
-    fetched by local rank 0 of each node first, the others read the filled cache: ``load_once_per_node``)."""
+    fetched by local rank 0 of each node first, the others read the filled cache: ``distributed.env.once_per_node``)."""
     from nemo_ac.data.medpix import load_medpix_dataset
 
     if cfg.path is None:

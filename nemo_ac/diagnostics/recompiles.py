@@ -90,6 +90,25 @@ def _callback_handler() -> Any | None:
     return handler
 
 
+def add_compile_callbacks(on_start: Callable[..., Any], on_end: Callable[..., Any]) -> Any | None:
+    """Register a start / end callback pair on Dynamo's callback handler; returns the handler for
+    ``remove_compile_callbacks`` (None where torch has none: nothing is registered)."""
+    handler = _callback_handler()
+    if handler is not None:
+        handler.register_start_callback(on_start)
+        handler.register_end_callback(on_end)
+    return handler
+
+
+def remove_compile_callbacks(handler: Any | None, on_start: Callable[..., Any], on_end: Callable[..., Any]) -> None:
+    """Undo ``add_compile_callbacks`` (a callback already gone is not an error)."""
+    if handler is None:
+        return
+    for remove, callback in ((handler.remove_start_callback, on_start), (handler.remove_end_callback, on_end)):
+        with contextlib.suppress(ValueError):
+            remove(callback)
+
+
 class _LimitHitHandler(logging.Handler):
     def __init__(self, accounting: CompileAccounting) -> None:
         super().__init__(level=logging.WARNING)
@@ -135,25 +154,16 @@ class CompileAccounting:
     # -- lifecycle -------------------------------------------------------------------------------------------
     def install(self) -> CompileAccounting:
         self._seen_metrics = {self._metrics_key(m) for m in _compilation_metrics()}  # earlier compiles are not ours
-        self._handler = _callback_handler()
-        if self._handler is not None:
-            self._handler.register_start_callback(self._on_start)
-            self._handler.register_end_callback(self._on_end)
-        else:
+        self._handler = add_compile_callbacks(self._on_start, self._on_end)
+        if self._handler is None:
             log.warning("torch._dynamo.callback_handler not found: per-thread compile counts are unavailable")
         self._log_handler = _LimitHitHandler(self)
         logging.getLogger(_LIMIT_LOGGER).addHandler(self._log_handler)
         return self
 
     def close(self) -> None:
-        if self._handler is not None:
-            for remove, callback in (
-                (self._handler.remove_start_callback, self._on_start),
-                (self._handler.remove_end_callback, self._on_end),
-            ):
-                with contextlib.suppress(ValueError):
-                    remove(callback)
-            self._handler = None
+        remove_compile_callbacks(self._handler, self._on_start, self._on_end)
+        self._handler = None
         if self._log_handler is not None:
             logging.getLogger(_LIMIT_LOGGER).removeHandler(self._log_handler)
             self._log_handler = None

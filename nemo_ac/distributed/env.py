@@ -6,14 +6,17 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from nemo_ac.config.schema import DistConfig
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -113,3 +116,23 @@ def exit_process(code: int) -> NoReturn:
     sys.stderr.flush()
     logging.shutdown()
     os._exit(code)
+
+
+def once_per_node(load: Callable[[], T]) -> T:
+    """``load()`` on local rank 0 of each node first, then on the node's other ranks after a barrier: they read the
+    cache it filled, so a Hub checkpoint or dataset is downloaded once per node, not once per rank, and no rank reads
+    before its node has the files. A failure on local rank 0 still reaches the barrier (the node's other ranks wait
+    there) and is raised after it. Without a process group: just ``load()``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return load()
+    result, error = None, None
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if first:
+        try:
+            result = load()
+        except Exception as err:
+            error = err
+    dist.barrier()
+    if error is not None:
+        raise error
+    return result if first else load()

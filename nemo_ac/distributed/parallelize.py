@@ -25,8 +25,9 @@ from nemo_ac.distributed.expert_parallel import apply_ep
 from nemo_ac.distributed.fsdp import apply_fsdp
 from nemo_ac.distributed.mesh import ParallelMeshes
 from nemo_ac.distributed.offload import apply_offload
-from nemo_ac.distributed.plan import AppliedPlan, ParallelPlan, decide_plan
+from nemo_ac.distributed.plan import AppliedPlan, ParallelPlan, decide_plan, mixer_kernel_between_graphs
 from nemo_ac.models.common.attention import set_attention_kernel
+from nemo_ac.models.common.mixer_kernels import set_mixer_kernels
 from nemo_ac.models.common.te_backend import apply_te_backends
 
 
@@ -57,8 +58,11 @@ def parallelize(
 
 def apply_plan(model: nn.Module, *, plan: ParallelPlan, meshes: ParallelMeshes) -> ParallelPlan:
     """Apply a decided plan; returns it with ``applied`` filled in."""
-    # Kernels first: the attention op the plan chose (before CP wraps it); te swaps Transformer Engine modules in.
+    # Kernels first: the attention and mixer ops the plan chose (before CP wraps them); te swaps Transformer Engine modules in.
     set_attention_kernel(decoder_layers(model), kernel=plan.attention_kernel)
+    for block, block_plan in zip(decoder_layers(model), plan.decoder_blocks()):  # fla / mamba_ssm; CP wraps them
+        between = mixer_kernel_between_graphs(block_plan.ac, block_plan.compile_layout)
+        set_mixer_kernels(block, **dict(plan.mixer_kernels), between_compiled_graphs=between)
     apply_te_backends(decoder_layers(model), **dict(plan.backends))
     apply_ep(model, plan=plan, ep_mesh=meshes.ep_mesh)
     apply_cp(model, plan=plan, cp_mesh=meshes.cp)

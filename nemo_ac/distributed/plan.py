@@ -22,6 +22,7 @@ from typing import Any, Literal
 from torch import nn
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.config.mixer_kernels import resolve_mixer_kernel
 from nemo_ac.config.schema import (
     ActivationCheckpointingConfig,
     BackendConfig,
@@ -147,6 +148,9 @@ class ParallelPlan:
     compile: CompilePlan | None
     backends: tuple[tuple[str, str], ...]  # (linear | rms_norm | attention, torch | sdpa | te)
     workarounds: tuple[str, ...]  # names from workarounds.registry this run switches on
+    # backend.linear_attention / backend.mamba resolved: (("linear_attention", torch | fla), ("mamba", torch |
+    # mamba_ssm)); apply_plan installs the kernels' ops before CP wraps them.
+    mixer_kernels: tuple[tuple[str, str], ...] = (("linear_attention", "torch"), ("mamba", "torch"))
     applied: AppliedPlan = field(default_factory=AppliedPlan)
 
     def decoder_blocks(self) -> tuple[BlockPlan, ...]:
@@ -256,6 +260,13 @@ def _replay_needed(ac_mode: str, layout: Layout | None) -> bool:
     return ac_mode == "selective" and layout == "ac_outer"
 
 
+def mixer_kernel_between_graphs(ac_mode: str, layout: Layout | None) -> bool:
+    """Whether a block's mixer-kernel ops run between compiled graphs: a checkpointed block compiled inside its
+    checkpoint (ac_outer) recomputes whole compiled graphs, so a kernel op traced into one would rerun in every
+    recompute (``models.common.mixer_kernels``); between graphs the SAC policy saves it."""
+    return ac_mode != "none" and layout == "ac_outer"
+
+
 def _attention_kernel(*, attention_backend: str, cp: int, cp_type: str) -> str:
     return attention_backend if cp == 1 else f"{attention_backend}, {cp_type} cp{cp}"
 
@@ -265,6 +276,8 @@ def _block_kernels(
     *,
     mixers: tuple[str, ...],
     attention_backend: str,
+    mixer_kernels: dict[str, str],
+    between_graphs: bool,
     cp: int,
     cp_type: str,
     ep: int,
@@ -274,8 +287,15 @@ def _block_kernels(
     if "softmax_attention" in mixers:
         kernels.append(("attention", _attention_kernel(attention_backend=attention_backend, cp=cp, cp_type=cp_type)))
     for kind in ("linear_attention", "ssm"):
-        if kind in mixers and cp > 1:
-            kernels.append((kind, f"{cp_type} cp{cp}"))
+        if kind in mixers:
+            label = mixer_kernels[kind]
+            if between_graphs and not label.startswith("torch"):
+                label += " (between compiled graphs)"
+            if cp > 1 and cp_type == "ring":  # always the torch op (config.mixer_kernels): it passes the state
+                label = f"torch, state-passing ring cp{cp}"
+            elif cp > 1:
+                label += f", {cp_type} cp{cp}"
+            kernels.append((kind, label))
     moe = routed_moe(block)
     if moe is not None:
         kernels.append(("experts", str(getattr(moe.experts_module(), "impl", "?"))))
@@ -290,16 +310,23 @@ _MIXER_LABELS = {
 }
 
 
+# Mixer kinds each CP type has an op for (context_parallel: ring = K/V ring or state passing; ulysses = head shards).
+_CP_MIXERS = {
+    "ulysses": ("softmax_attention", "linear_attention", "ssm"),
+    "ring": ("softmax_attention", "linear_attention", "ssm"),
+}
+
+
 def _check_cp(mixers: tuple[str, ...], *, cp: int, cp_type: str, path: str) -> None:
-    if cp > 1 and cp_type not in ("ulysses", "ring"):
+    if cp > 1 and cp_type not in _CP_MIXERS:
         raise ValueError(f"parallel.cp_type: unknown {cp_type!r}; use ulysses or ring")
-    if cp > 1 and cp_type == "ring":
+    if cp > 1:
         for kind in mixers:
-            if kind != "softmax_attention":
+            if kind not in _CP_MIXERS[cp_type]:
                 raise ValueError(
-                    f"parallel.cp_type: ring passes softmax-attention K/V blocks; {path} has a "
-                    f"{_MIXER_LABELS.get(kind, kind)} mixer whose recurrent state cannot be ring-passed. Use cp_type: "
-                    "ulysses"
+                    f"parallel.cp_type: {cp_type} has no context-parallel op for {path}'s "
+                    f"{_MIXER_LABELS.get(kind, kind)} mixer (kind {kind!r}); supported: "
+                    f"{', '.join(_CP_MIXERS[cp_type])}"
                 )
 
 
@@ -319,8 +346,8 @@ def decide_plan(
     """The plan for ``model`` (on the meta device, nothing applied yet). The one place that reads the sections.
 
     A section left out is its schema default (``model_config``: the model's own ``config``); ``ep`` / ``cp`` are the
-    mesh sizes; ``device_type`` resolves ``backend.attention: auto``; ``torch_version`` decides the workaround
-    gates as if that torch were running.
+    mesh sizes; ``device_type`` resolves ``auto`` of ``backend.attention`` / ``linear_attention`` / ``mamba``;
+    ``torch_version`` decides the workaround gates as if that torch were running.
     """
     model_config = model_config if model_config is not None else model.config
     parallel = parallel if parallel is not None else ParallelConfig()
@@ -328,6 +355,15 @@ def decide_plan(
     compile = compile if compile is not None else CompileConfig()
     backend = backend if backend is not None else BackendConfig()
     attention_kernel = choose_attention_kernel(backend.attention, device_type=device_type)
+    # The mixer cores' kernels (config.mixer_kernels): label per block kind, with auto's reason where it matters.
+    mixer_kernels, mixer_labels = {}, {}
+    for key, kind, requested in (
+        ("linear_attention", "linear_attention", backend.linear_attention),
+        ("mamba", "ssm", backend.mamba),
+    ):
+        kernel, why = resolve_mixer_kernel(key, requested, device_type=device_type, cp=cp, cp_type=parallel.cp_type)
+        mixer_kernels[key] = kernel
+        mixer_labels[kind] = f"{kernel} ({why})" if why else kernel
     moe = model_config.moe
     ac_outside_fsdp = ac.placement == "outside"
     compile_enabled = compile.enabled
@@ -378,6 +414,8 @@ def decide_plan(
                     block,
                     mixers=mixers,
                     attention_backend=attention_kernel,
+                    mixer_kernels=mixer_labels,
+                    between_graphs=mixer_kernel_between_graphs(ac.mode, layout),
                     cp=cp,
                     cp_type=parallel.cp_type,
                     ep=ep,
@@ -433,6 +471,7 @@ def decide_plan(
         ),
         backends=(("linear", backend.linear), ("rms_norm", backend.rms_norm), ("attention", attention_kernel)),
         workarounds=_run_workarounds(blocks, compile=compile, ac=ac, torch_version=torch_version),
+        mixer_kernels=tuple(mixer_kernels.items()),
     )
 
 

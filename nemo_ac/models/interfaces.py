@@ -70,7 +70,8 @@ class SequenceMixer(Protocol):
     context parallel changes (``apply_cp`` replaces ``getattr(mixer, mixer_op_name)`` with its CP version).
 
     mixer_kind: ``softmax_attention`` (op ``attn_op``: ulysses or ring), ``linear_attention`` (Gated DeltaNet,
-        ``linear_attn_op``: ulysses only) or ``ssm`` (Mamba-2, ``ssm_op``: ulysses only).
+        ``linear_attn_op``) or ``ssm`` (Mamba-2, ``ssm_op``); the recurrent two take ulysses (head shards) or ring
+        (state passing, ``context_parallel.state_passing``).
     """
 
     mixer_kind: ClassVar[str]

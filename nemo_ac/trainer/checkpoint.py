@@ -34,11 +34,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from nemo_ac.config.errors import ConfigIssue
 from nemo_ac.config.schema import CheckpointConfig
 from nemo_ac.trainer import checkpoint_files as files
-from nemo_ac.trainer.checkpoint_files import CheckpointError
+from nemo_ac.trainer.checkpoint_files import CheckpointError, check_checkpoint_paths
 from nemo_ac.trainer.optim import builtin_lr, rebase_schedule, schedule_changes
+from nemo_ac.trainer.progress import echo
 
 __all__ = [
     "CheckpointError",
@@ -70,40 +70,6 @@ class TrainingState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     data: Stateful
-
-
-def check_checkpoint_paths(config: CheckpointConfig) -> list[ConfigIssue]:
-    """Checkpoint paths that cannot work, found before any process group starts (so torchrun does not restart a
-    job that can never run): a ``resume`` path that is not a complete checkpoint, and, when this run saves, a
-    ``checkpoint.dir`` that already holds checkpoints past this run's start (another run's timeline: the two would
-    interleave, ``keep_last`` could delete the new ones first, and a later ``resume: auto`` would pick the old)."""
-    start = 0
-    if config.resume not in ("none", "auto"):
-        reason = files.incomplete_reason(Path(config.resume))
-        if reason is not None:
-            return [
-                ConfigIssue(
-                    "checkpoint.resume",
-                    f"'{config.resume}' {reason}; give a complete step_<N> directory (one with {files.DCP_METADATA} "
-                    f"and {files.MANIFEST}), or resume: auto to take the newest complete one under checkpoint.dir",
-                )
-            ]
-        start = files.step_of(Path(config.resume)) or 0
-    if not config.enabled or config.resume == "auto":
-        return []
-    complete, _ = files.complete_checkpoints(files.root_of(config))
-    ahead = sorted(step for step in complete if step > start)
-    if not ahead:
-        return []
-    names = ", ".join(f"step_{step}" for step in ahead)
-    return [
-        ConfigIssue(
-            "checkpoint.dir",
-            f"'{config.dir}' already holds {names}, past this run's start at step {start} (resume: "
-            f"{config.resume}); its saves would mix with them. Use checkpoint.resume=auto to continue them, or a "
-            "new checkpoint.dir",
-        )
-    ]
 
 
 def _rank() -> int:
@@ -312,10 +278,7 @@ class Checkpointer:
         _raise_from_main(error, headline=f"checkpoint save of step {step} failed")
         if _rank() == 0:
             size = sum(d["size"] for d in digests.values())
-            print(
-                f"checkpoint | saved {published} ({size / 2**20:.1f} MiB, {time.perf_counter() - started:.2f} s)",
-                flush=True,
-            )
+            echo(f"checkpoint | saved {published} ({size / 2**20:.1f} MiB, {time.perf_counter() - started:.2f} s)")
         return files.step_dir(self.root, step)
 
     # ---- resuming ----------------------------------------------------------------------------------------
@@ -333,7 +296,7 @@ class Checkpointer:
                     warnings.warn(message, CheckpointWarning, stacklevel=2)
                 choice = str(found.path) if found.path is not None else None
                 if choice is None:
-                    print(f"checkpoint | no complete checkpoint under {self.root}; starting at step 0", flush=True)
+                    echo(f"checkpoint | no complete checkpoint under {self.root}; starting at step 0")
             else:
                 choice = mode
         choice = _from_main(choice)
@@ -434,8 +397,5 @@ class Checkpointer:
                 if saved_world != _world_size()
                 else ""
             )
-            print(
-                f"checkpoint | resumed from {path} at step {step}{note} ({time.perf_counter() - started:.2f} s)",
-                flush=True,
-            )
+            echo(f"checkpoint | resumed from {path} at step {step}{note} ({time.perf_counter() - started:.2f} s)")
         return step

@@ -13,7 +13,8 @@ made by this code (a half-finished copy, a non-atomic filesystem) and is skipped
 ``.partial`` directory. A complete-looking checkpoint whose files fail their sizes/checksums is corrupt: that is an
 error, never a silent fallback to an older checkpoint.
 
-Pure filesystem code: no torch.distributed here; ``checkpoint.py`` decides which rank calls what.
+Pure filesystem code: no torch here (``check_checkpoint_paths`` runs in the preflight, before any process group);
+``checkpoint.py`` decides which rank calls what.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from nemo_ac.config.errors import ConfigIssue
+from nemo_ac.config.schema import CheckpointConfig
 
 MANIFEST = "nemo_ac_checkpoint.json"
 DCP_METADATA = ".metadata"
@@ -252,3 +256,37 @@ def verify_files(path: Path, manifest: dict[str, Any], names: list[str], *, chec
                     "(the file is corrupt)"
                 )
     return problems
+
+
+def check_checkpoint_paths(config: CheckpointConfig) -> list[ConfigIssue]:
+    """Checkpoint paths that cannot work, found before any process group starts (so torchrun does not restart a
+    job that can never run): a ``resume`` path that is not a complete checkpoint, and, when this run saves, a
+    ``checkpoint.dir`` that already holds checkpoints past this run's start (another run's timeline: the two would
+    interleave, ``keep_last`` could delete the new ones first, and a later ``resume: auto`` would pick the old)."""
+    start = 0
+    if config.resume not in ("none", "auto"):
+        reason = incomplete_reason(Path(config.resume))
+        if reason is not None:
+            return [
+                ConfigIssue(
+                    "checkpoint.resume",
+                    f"'{config.resume}' {reason}; give a complete step_<N> directory (one with {DCP_METADATA} "
+                    f"and {MANIFEST}), or resume: auto to take the newest complete one under checkpoint.dir",
+                )
+            ]
+        start = step_of(Path(config.resume)) or 0
+    if not config.enabled or config.resume == "auto":
+        return []
+    complete, _ = complete_checkpoints(root_of(config))
+    ahead = sorted(step for step in complete if step > start)
+    if not ahead:
+        return []
+    names = ", ".join(f"step_{step}" for step in ahead)
+    return [
+        ConfigIssue(
+            "checkpoint.dir",
+            f"'{config.dir}' already holds {names}, past this run's start at step {start} (resume: "
+            f"{config.resume}); its saves would mix with them. Use checkpoint.resume=auto to continue them, or a "
+            "new checkpoint.dir",
+        )
+    ]

@@ -1,84 +1,47 @@
 """Hugging Face weights in the trainer: ``model.pretrained`` in, ``checkpoint.export_hf`` out.
 
-Precedence: the recipe's ``model.*`` fields build the model; ``model.pretrained`` only supplies weights. A local
-directory's ``config.json`` is read before any process group starts and every architecture field that changes
-the weights or the math must agree with the recipe (``architecture_issues`` lists each mismatching key with both
-values); a Hub id is checked the same way right after it is downloaded, on every rank, before any weight is read.
-Fields that change neither (``max_position_embeddings``, ``init_std``, Mamba's ``chunk_size`` and dt-init range)
-and training knobs (``moe.aux_loss_coef``, ``moe.bias_update_rate``, ``moe.router_dtype``,
-``moe.separate_fsdp_unit``, the kernel choice ``moe.experts_impl``) may differ.
+Precedence: ``model.pretrained``'s config.json gives every architecture field the recipe does not set
+(``nemo_ac.config.pretrained``, at load time, before any process group); ``check_hf_weights`` (the preflight's)
+rejects recipe keys that would not fit its weights. A Hub id's downloaded config.json is compared with the recipe
+again on every rank right after the download, before any weight is read (``architecture_issues``): the recipe may
+have been filled from a shipped snapshot or a cached copy. Fields that change neither the weights nor the math
+(``nemo_ac.config.pretrained.MAY_DIFFER``) may differ.
 
 Export (``export_final_hf``) writes into ``<dir>.partial`` and renames it over ``<dir>`` only when complete, so a
-crash never leaves a directory that mixes two exports' shards.
+crash never leaves a directory that mixes two exports' shards; tokenizer / processor files and
+generation_config.json come along (``nemo_ac.trainer.export``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.config.pretrained import architecture_mismatches, check_pretrained, mismatch_issues
 from nemo_ac.config.schema import CheckpointConfig, ModelConfig, RecipeConfig
+from nemo_ac.distributed.env import once_per_node
 from nemo_ac.models import model_dtype
-from nemo_ac.models.hf import (
-    HF_FAMILIES,
-    export_hf_checkpoint,
-    materialize_and_load,
-    read_hf_config,
-    resolve_pretrained,
-)
+from nemo_ac.models.hf import export_hf_checkpoint, materialize_and_load, read_hf_config, resolve_pretrained
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.trainer.checkpoint_files import root_of
+from nemo_ac.trainer.export_files import write_export_extras
 
-# ModelConfig fields (dotted below model.) that neither shape a weight nor change the forward math.
-IGNORED_FIELDS = frozenset(
-    {
-        "pretrained",
-        "max_position_embeddings",
-        "init_std",
-        "moe.aux_loss_coef",
-        "moe.bias_update_rate",
-        "moe.router_dtype",
-        "moe.separate_fsdp_unit",
-        "moe.experts_impl",
-        "mamba.chunk_size",
-        "mamba.expand",
-        "mamba.time_step_max",
-        "mamba.time_step_floor",
-        "linear_attention.chunk_size",
-    }
-)
-# Sections only one family reads; elsewhere they keep their defaults and are not compared.
-_FAMILY_SECTIONS = {"mamba": "nemotron_h", "linear_attention": "qwen3_5_moe", "vision": "qwen3_5_moe"}
-
-
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if dataclasses.is_dataclass(value):
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(value):
-            out.update(_flatten(getattr(value, f.name), f"{prefix}{f.name}."))
-        return out
-    return {prefix.rstrip("."): value}
-
-
-def architecture_mismatches(recipe_model: ModelConfig, checkpoint_model: ModelConfig) -> list[tuple[str, Any, Any]]:
-    """(key under model., recipe value, checkpoint value) for every compared field that differs."""
-    ours, theirs = _flatten(recipe_model), _flatten(checkpoint_model)
-    out = []
-    for key, value in ours.items():
-        section = key.split(".", 1)[0]
-        if key in IGNORED_FIELDS or _FAMILY_SECTIONS.get(section, recipe_model.family) != recipe_model.family:
-            continue
-        if key in theirs and theirs[key] != value:
-            out.append((key, value, theirs[key]))
-    return out
+__all__ = [
+    "architecture_issues",
+    "architecture_mismatches",
+    "check_hf_weights",
+    "export_dir",
+    "export_final_hf",
+    "export_model_dir",
+    "materialize_weights",
+    "resolve_pretrained_once_per_node",
+]
 
 
 def architecture_issues(recipe_model: ModelConfig, path: str | Path) -> list[ConfigIssue]:
@@ -86,61 +49,23 @@ def architecture_issues(recipe_model: ModelConfig, path: str | Path) -> list[Con
     config_file = Path(path) / "config.json"
     try:
         checkpoint_model = read_hf_config(path)
-    except (NotImplementedError, ValueError, KeyError) as exc:
+    except (FileNotFoundError, NotImplementedError, ValueError, KeyError) as exc:
         return [ConfigIssue("model.pretrained", f"{config_file} cannot be read as a nemo_ac model: {exc}")]
-    return [
-        ConfigIssue(
-            f"model.{key}",
-            f"recipe says {ours!r} but {config_file} says {theirs!r}; the recipe builds the model and the checkpoint "
-            f"must fit it: set model.{key}: {theirs!r} (or point model.pretrained at a matching checkpoint)",
-        )
-        for key, ours, theirs in architecture_mismatches(recipe_model, checkpoint_model)
-    ]
-
-
-def _looks_like_hub_id(name: str) -> bool:
-    """``org/name`` (or ``name``): no leading ``/ . ~`` and at most one ``/``; anything else is a local path."""
-    return not name.startswith(("/", ".", "~")) and name.count("/") <= 1
+    return mismatch_issues(recipe_model, checkpoint_model, str(config_file))
 
 
 def check_hf_weights(recipe: RecipeConfig) -> list[ConfigIssue]:
-    """Before any process group: a local ``model.pretrained`` must hold config.json and agree with the recipe; a
-    family must have an HF mapping to load or export. A Hub id (not a local directory) is checked after download."""
-    issues = []
-    family = recipe.model.family
-    mapped = any(spec.family == family for spec in HF_FAMILIES.values())
-    asks = {"model.pretrained": bool(recipe.model.pretrained), "checkpoint.export_hf": recipe.checkpoint.export_hf}
-    wants = [key for key, on in asks.items() if on]
-    if wants and not mapped:
-        for key in wants:
-            issues.append(ConfigIssue(key, f"model.family {family!r} has no Hugging Face weight mapping"))
-        return issues
-    pretrained = recipe.model.pretrained
-    if pretrained and not Path(pretrained).is_dir() and not _looks_like_hub_id(pretrained):
-        return [ConfigIssue("model.pretrained", f"{pretrained} is not a directory (nor a Hub id like org/name)")]
-    if pretrained and Path(pretrained).is_dir():
-        if not (Path(pretrained) / "config.json").is_file():
-            return [ConfigIssue("model.pretrained", f"{pretrained} is a directory without config.json")]
-        issues += architecture_issues(recipe.model, pretrained)
-    return issues
+    """Before any process group (pure; see ``nemo_ac.config.pretrained.check_pretrained``)."""
+    return check_pretrained(recipe)
 
 
 def resolve_pretrained_once_per_node(name_or_path: str) -> Path:
     """A local directory as is. A Hub id is downloaded by local rank 0 of each node while the node's other ranks
     wait at a barrier, then resolved from the filled cache by them (no rank reads before its node has the files;
     no node downloads the checkpoint once per rank)."""
-    if Path(name_or_path).is_dir() or not (dist.is_available() and dist.is_initialized()):
+    if Path(name_or_path).is_dir():
         return resolve_pretrained(name_or_path)
-    path, error = None, None
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        try:
-            path = resolve_pretrained(name_or_path)
-        except FileNotFoundError as err:  # still reach the barrier: the node's other ranks wait there
-            error = err
-    dist.barrier()
-    if error is not None:
-        raise error
-    return path if path is not None else resolve_pretrained(name_or_path)
+    return once_per_node(lambda: resolve_pretrained(name_or_path))
 
 
 def materialize_weights(model: nn.Module, *, model_config: ModelConfig, device: torch.device, seed: int) -> str:
@@ -161,9 +86,18 @@ def export_dir(config: CheckpointConfig) -> Path:
     return Path(config.export_hf_dir) if config.export_hf_dir else root_of(config) / "hf"
 
 
-def export_final_hf(model: nn.Module, *, config: CheckpointConfig) -> Path:
-    """Collective (every rank calls): the consolidated HF checkpoint of ``model`` at ``export_dir(config)``."""
-    out = export_dir(config)
+def export_final_hf(model: nn.Module, *, config: CheckpointConfig, recipe: RecipeConfig | None = None) -> Path:
+    """Collective (every rank calls): the consolidated HF checkpoint of ``model`` at ``export_dir(config)``, with
+    the tokenizer files and generation_config.json of ``recipe`` (when given)."""
+    dtype = model_dtype(config.export_dtype) if config.export_dtype else None
+    return export_model_dir(model, export_dir(config), dtype=dtype, recipe=recipe)
+
+
+def export_model_dir(
+    model: nn.Module, out: Path, *, dtype: torch.dtype | None = None, recipe: RecipeConfig | None = None
+) -> Path:
+    """Collective: ``model`` as an HF model directory at ``out``, written into ``.<out>.partial`` and renamed over
+    ``out`` only when complete. Rank 0 adds ``write_export_extras(recipe)`` (tokenizer, generation config)."""
     partial = out.with_name(f".{out.name}.partial")
     old = out.with_name(f".{out.name}.old")
     main = not dist.is_initialized() or dist.get_rank() == 0
@@ -172,9 +106,11 @@ def export_final_hf(model: nn.Module, *, config: CheckpointConfig) -> Path:
         partial.parent.mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
-    dtype = model_dtype(config.export_dtype) if config.export_dtype else None
     export_hf_checkpoint(model, partial, dtype=dtype)  # rank 0 writes; ends with a barrier
     if main:
+        if recipe is not None:
+            for line in write_export_extras(recipe, partial):
+                print(f"export | {line}", flush=True)
         shutil.rmtree(old, ignore_errors=True)
         if out.exists():
             os.replace(out, old)

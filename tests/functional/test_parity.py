@@ -13,17 +13,12 @@ entry, max loss difference relative) is printed by ``pytest -s tests/functional/
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
-from tests.launch import ROOT, run_script
-from tests.parity import AC_ON_VS_OFF, TOLERANCES, assert_parity
+from tests.parity import AC_ON_VS_OFF, TOLERANCES, assert_parity, run_parity_cells
 
 pytestmark = pytest.mark.functional
 
-WORKER = ROOT / "tests" / "functional" / "workers" / "parity.py"
 RECIPE = "tiny/qwen3_moe_tiny.yaml"
 DATA = ["data.fixed_length=false", "data.seq_len=96", "data.pad_multiple=12"]
 COMMON = ["train.seed=2", "train.global_batch_size=8", "activation_checkpointing.mode=none", *DATA, "train.steps=3"]
@@ -151,17 +146,7 @@ def launch(world_size: int, out_dir) -> dict[str, dict]:
         {"name": name, "recipe": RECIPE, "overrides": [*COMMON, *overrides]}
         for name, overrides in EXTRA_CELLS.get(world_size, {}).items()
     ]
-    spec = out_dir / "cells_spec.json"
-    spec.write_text(json.dumps(cells))
-    proc = run_script(WORKER, nproc=world_size, args=[str(out_dir), str(spec)], timeout=1200)
-    results = {c["name"]: c for c in json.loads((out_dir / "cells.json").read_text())} if proc.returncode == 0 else {}
-    assert proc.returncode == 0 and all(c["ok"] for c in results.values()), (
-        [c.get("traceback") for c in results.values() if not c["ok"]],
-        (proc.stdout + proc.stderr)[-6000:],
-    )
-    for name, cell in results.items():
-        cell["grads"] = torch.load(out_dir / f"{name}.pt")
-    return results
+    return run_parity_cells(cells, world_size=world_size, out_dir=out_dir)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +53,16 @@ def test_self_signal_saves_the_step_and_resume_is_bitwise_the_uninterrupted_run(
     ]
 
 
+def wait_for_step(proc: subprocess.Popen, metrics: Path, *, step: int, log: Path) -> None:
+    """Until ``metrics`` holds ``step`` (at most 300 s); the run must still be going then."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and f'"step": {step},' in metrics.read_text():
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, log.read_text()[-3000:]
+
+
 def test_sigterm_to_torchrun_mid_run_saves_and_exits_within_seconds(tmp_path):
     run_dir = tmp_path / "run"
     args = ["-m", "nemo_ac.train", str(RECIPES / RECIPE), f"logging.run_dir={run_dir}", "logging.progress_bar=never"]
@@ -58,12 +70,8 @@ def test_sigterm_to_torchrun_mid_run_saves_and_exits_within_seconds(tmp_path):
     log = tmp_path / "out.txt"
     with log.open("w") as out:
         proc = subprocess.Popen(torchrun_command(2, args), env=child_env(), cwd=ROOT, stdout=out, stderr=out)
-        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and '"step": 3,' in metrics.read_text():
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, log.read_text()[-3000:]
+        metrics = run_dir / "metrics.jsonl"
+        wait_for_step(proc, metrics, step=3, log=log)
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -84,4 +92,35 @@ def test_sigterm_to_torchrun_mid_run_saves_and_exits_within_seconds(tmp_path):
     assert "nemo_ac/" not in "".join(line for line in output.splitlines() if line.strip().startswith("File "))
     ours, _, torchruns = output.partition("Traceback (most recent call last)")
     assert torchruns == "" or torchruns.rstrip().endswith(f"SignalException: Process {proc.pid} got signal: 15"), output
-    assert len(ours.splitlines()) <= step + 12, output  # start-up lines, one per step, save, summary, the stop line
+    # start-up lines (with the flops line), one per step, save, summary, the stop line; torchrun's shutdown logs
+    assert len(ours.splitlines()) <= step + 13, output
+
+
+def test_sigterm_to_nemo_ac_train_reaches_torchrun_and_ends_with_one_line(tmp_path):
+    """``nemo-ac train`` execs torchrun (nemo_ac.launch): the pid it started is the agent, the ranks are its children,
+    and a SIGTERM to it ends with rank 0's stop line only: no traceback, no per-rank shutdown logs."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "nemo_ac.cli", "train", str(RECIPES / RECIPE), "--nproc-per-node", "2"]
+    command += [f"logging.run_dir={run_dir}", "logging.progress_bar=never", *COMMON, "train.steps=500"]
+    log = tmp_path / "out.txt"
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, env=child_env(), cwd=ROOT, stdout=out, stderr=out)
+        metrics = run_dir / "metrics.jsonl"
+        wait_for_step(proc, metrics, step=3, log=log)
+        agent = psutil.Process(proc.pid)
+        assert "nemo_ac.launch" in agent.cmdline()  # exec'd: the same pid is torchrun's agent now
+        assert len([c for c in agent.children() if "nemo_ac.train" in c.cmdline()]) == 2
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    output = log.read_text()
+    (stop,) = [json.loads(x) for x in metrics.read_text().splitlines() if '"event": "stop"' in x]
+    step = stop["at_step"]
+    assert proc.returncode == 128 + signal.SIGTERM
+    after = output.split("summary | ", 1)[1].splitlines()[1:]  # what follows the run's summary line
+    assert after == [
+        f"nemo_ac: SIGTERM at step {step}: checkpoint saved to {run_dir / 'checkpoints' / f'step_{step}'}; "
+        "rerun the same command to continue"
+    ], output[-3000:]
+    assert "Traceback" not in output and "closing signal" not in output and "death signal" not in output

@@ -50,7 +50,7 @@ def test_train_validates_before_launching(capsys):
 
 def test_train_on_several_nodes_needs_a_rendezvous_endpoint(capsys, monkeypatch):
     launched = []
-    monkeypatch.setattr("subprocess.call", lambda command, env: launched.append(command) or 0)
+    monkeypatch.setattr("os.execvpe", lambda file, command, env: launched.append(command) or 0)
     assert main(["train", TINY, "--nnodes", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--nnodes 2 needs --rdzv-endpoint HOST:PORT" in err
@@ -59,10 +59,12 @@ def test_train_on_several_nodes_needs_a_rendezvous_endpoint(capsys, monkeypatch)
 
 def test_train_on_several_nodes_passes_the_rendezvous_to_torchrun(monkeypatch):
     launched = []
-    monkeypatch.setattr("subprocess.call", lambda command, env: launched.append(command) or 0)
+    # `nemo-ac train` becomes torchrun (os.execvpe: signals reach it directly); here the exec only records.
+    monkeypatch.setattr("os.execvpe", lambda file, command, env: launched.append(command) or 0)
     args = ["train", TINY, "--nnodes", "2", "--rdzv-endpoint", "node0:29500", "--rdzv-id", "77", "train.steps=3"]
     assert main(args) == 0
     (command,) = launched
+    assert command[1:3] == ["-m", "nemo_ac.launch"]  # torchrun with one-line endings
     assert "--standalone" not in command
     assert command[4:8] == ["--nnodes=2", "--rdzv-endpoint=node0:29500", "--rdzv-backend=c10d", "--rdzv-id=77"]
     assert command[-2:] == [TINY, "train.steps=3"]

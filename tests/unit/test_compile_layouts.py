@@ -18,10 +18,10 @@ from nemo_ac.distributed.mesh import build_meshes
 from nemo_ac.distributed.parallelize import parallelize
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.common.routing_replay import routing_replay_context
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
+from tests.factories import packed_square_loss
 from tests.launch import RECIPES
 
 FULL = ActivationCheckpointingConfig(mode="full")
@@ -133,26 +133,16 @@ def sharded_tiny(layout: str | None) -> tuple[torch.nn.Module, list]:
     return model, list(plan.applied.compiled_checkpoint_entries)
 
 
-def loss_of(model: torch.nn.Module) -> float:
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 64, (2, 40), generator=g)
-    doc = (torch.arange(40) // 7).expand(2, 40).contiguous()
-    out = model(ids, position_ids=(torch.arange(40) % 7).expand(2, 40).contiguous(), attn=build_attention_inputs(doc))
-    loss = out.logits.float().square().mean()
-    loss.backward()
-    return loss.item()
-
-
 def test_compile_outer_over_a_nested_fsdp_unit_runs_eagerly_and_is_reported(world, fresh_dynamo):
     """compile(AC(block)) with the experts' FSDP hooks inside the checkpoint: Dynamo captures no graph at all (the
     block silently runs eagerly); validation rejects this layout, and CompileAccounting warns if it happens."""
-    expected = loss_of(sharded_tiny(None)[0])
+    expected = packed_square_loss(sharded_tiny(None)[0])
     model, watch = sharded_tiny("compile_outer")
     with (
         CompileAccounting(watch_checkpoint_entries=watch) as accounting,
         pytest.warns(EagerFallbackWarning, match=r"compile\(AC\(block\)\) captured no graph"),
     ):
-        assert loss_of(model) == pytest.approx(expected, rel=1e-6)
+        assert packed_square_loss(model) == pytest.approx(expected, rel=1e-6)
         accounting.refresh()
     assert counters["stats"]["unique_graphs"] == 0
     assert accounting.metrics()["eager_fallbacks"] == 1 and accounting.metrics()["compiles_fwd"] == 1

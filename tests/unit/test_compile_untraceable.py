@@ -26,8 +26,8 @@ from nemo_ac.distributed.parallelize import apply_plan
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.distributed.untraceable import dynamo_disabled_modules
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.init import materialize_and_init
+from tests.factories import packed_square_loss
 from tests.launch import RECIPES
 
 # No nested FSDP unit (experts in the block's unit, router in param dtype): without the disabled module, auto
@@ -132,21 +132,11 @@ def sharded(plan_model_first: bool, *, layout: str = "auto") -> tuple[nn.Module,
     return model, list(plan.applied.compiled_checkpoint_entries)
 
 
-def loss_of(model: nn.Module) -> float:
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 64, (2, 40), generator=g)
-    doc = (torch.arange(40) // 7).expand(2, 40).contiguous()
-    out = model(ids, position_ids=(torch.arange(40) % 7).expand(2, 40).contiguous(), attn=build_attention_inputs(doc))
-    loss = out.logits.float().square().mean()
-    loss.backward()
-    return loss.item()
-
-
 def eager_loss() -> float:
     r = recipe()
     model = disable_o_proj(build_model(r.model))
     materialize_and_init(model, device=torch.device("cpu"), seed=0)
-    return loss_of(model)
+    return packed_square_loss(model)
 
 
 def test_compile_ac_over_a_dynamo_disabled_module_runs_the_block_eagerly_without_the_planner(world, fresh_dynamo):
@@ -158,7 +148,7 @@ def test_compile_ac_over_a_dynamo_disabled_module_runs_the_block_eagerly_without
         CompileAccounting(watch_checkpoint_entries=watch) as accounting,
         pytest.warns(EagerFallbackWarning, match=r"compile\(AC\(block\)\) captured no graph"),
     ):
-        assert loss_of(model) == pytest.approx(expected, rel=1e-6)
+        assert packed_square_loss(model) == pytest.approx(expected, rel=1e-6)
         accounting.refresh()
     assert counters["stats"]["unique_graphs"] == 0
     # One report for the shared CheckpointWrapper.forward code: after its empty first compile Dynamo skips it.
@@ -172,7 +162,7 @@ def test_ac_outer_compiles_around_the_dynamo_disabled_module_and_counts_the_brea
     with warnings.catch_warnings():
         warnings.simplefilter("error", EagerFallbackWarning)
         with CompileAccounting(watch_checkpoint_entries=watch) as accounting:
-            assert loss_of(model) == pytest.approx(expected, rel=1e-6)
+            assert packed_square_loss(model) == pytest.approx(expected, rel=1e-6)
             metrics = accounting.metrics()
     graph_breaks = int(sum(counters["graph_break"].values()))
     assert metrics["eager_fallbacks"] == 0

@@ -241,12 +241,6 @@ ROWS = [
     ),
     row(
         "check_context_parallel",
-        ["parallel.cp=2", "parallel.cp_type=ring", "model.family=nemotron_h"],
-        "parallel.cp_type",
-        r"ring CP passes K/V blocks of softmax attention; family nemotron_h .* Use cp_type: ulysses",
-    ),
-    row(
-        "check_context_parallel",
         [
             "parallel.cp=2",
             "model.family=qwen3_5_moe",
@@ -290,6 +284,15 @@ ROWS = [
         "data.seq_len",
         r"91 must be divisible by 2 for cp=2 ulysses \(cp\)",
         id="seq_len_ulysses",
+    ),
+    row(
+        "check_context_parallel",
+        ["parallel.cp=4", "parallel.cp_type=ring", "model.family=nemotron_h", "data.seq_len=16"],
+        "data.seq_len",
+        r"16 gives ring CP slices of 2 tokens \(rows / 2\*cp=8\), fewer than the recurrent mixers' conv halo "
+        r"\(3 = conv_kernel - 1 tokens from the previous slice\); use rows of at least 24 tokens",
+        world_size=4,
+        id="ring_slice_shorter_than_conv_halo",
     ),
     row(
         "check_context_parallel",
@@ -636,6 +639,36 @@ ROWS = [
         r"float32 with backend.dispatcher: deepep: the tokens DeepEP moves are in the compute dtype, and its combine "
         r"kernel \(also the backward of dispatch\) takes bfloat16 only; set parallel.fsdp.param_dtype: bfloat16, or "
         r"backend.dispatcher: torch",
+    ),
+    # check_mixer_kernels (config.mixer_kernels)
+    row(
+        "check_mixer_kernels",
+        ["backend.linear_attention=fla", "dist.device=cpu"],
+        "backend.linear_attention",
+        r"fla runs Gated DeltaNet on CUDA only and dist.device is cpu; set backend.linear_attention: torch \(or auto\)",
+    ),
+    row(
+        "check_mixer_kernels",
+        ["backend.linear_attention=fla", "dist.backend=gloo"],
+        "backend.linear_attention",
+        r"fla runs Gated DeltaNet on CUDA only and dist.backend gloo puts dist.device auto on cpu",
+        id="gloo",
+    ),
+    row(
+        "check_mixer_kernels",
+        ["backend.mamba=mamba_ssm", "parallel.cp=2", "parallel.cp_type=ring"],
+        "backend.mamba",
+        r"mamba_ssm is not used under parallel.cp_type: ring: ring CP passes the Mamba-2 state between ranks through "
+        r"the torch op's initial / final state; set backend.mamba: torch \(or auto\), or parallel.cp_type: ulysses",
+        id="ring",
+    ),
+    row(  # mamba-ssm cannot be installed without nvcc, so it never imports on the CPU test machines
+        "check_mixer_kernels",
+        ["backend.mamba=mamba_ssm"],
+        "backend.mamba",
+        r"mamba_ssm needs 'mamba_ssm' and 'causal_conv1d', which do not import on this machine .*pip install "
+        r"--no-build-isolation causal-conv1d mamba-ssm",
+        id="not_installed",
     ),
     # check_checkpoint
     row("check_checkpoint", ["checkpoint.every_n_steps=-1"], "checkpoint.every_n_steps", r"must be >= 0, got -1"),

@@ -12,6 +12,7 @@ from nemo_ac.config.schema import ModelConfig, MoEConfig, ParallelConfig
 from nemo_ac.distributed.blocks import decoder_layers
 from nemo_ac.distributed.context_parallel import apply_cp
 from nemo_ac.distributed.context_parallel.ring import ring_attention
+from nemo_ac.distributed.context_parallel.state_passing import ring_ssm
 from nemo_ac.distributed.context_parallel.ulysses import ulysses_attention, ulysses_linear_attention, ulysses_ssm
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
@@ -59,7 +60,7 @@ def test_ring_and_ulysses_replace_softmax_attention(cp_mesh) -> None:
             assert all(op.keywords["inner"] is packed_causal_attention for _, op in ops)
 
 
-def test_ulysses_wraps_every_mixer_of_a_hybrid_family_and_ring_refuses_it(cp_mesh) -> None:
+def test_ulysses_wraps_every_mixer_of_a_hybrid_family_and_ring_replaces_each(cp_mesh) -> None:
     """Nemotron-H: a Mamba-2 layer, an attention layer and an MoE layer (which needs nothing). The Gated DeltaNet
     wrapper is checked against the unsharded mixer in tests/functional/test_ep_cp_ops.py."""
     moe = MoEConfig(
@@ -77,5 +78,6 @@ def test_ulysses_wraps_every_mixer_of_a_hybrid_family_and_ring_refuses_it(cp_mes
     assert sorted(attr for attr, _ in _ops(model)) == ["attn_op", "ssm_op"]
     _apply_cp(model, cp_mesh=cp_mesh, cp_type="ulysses")
     assert sorted(attr for attr, op in _ops(model) if _wrapped(op) is wrappers[attr]) == ["attn_op", "ssm_op"]
-    with pytest.raises(ValueError, match=r"parallel.cp_type: ring .* Mamba-2 scan mixer .* Use cp_type: ulysses"):
-        _apply_cp(build_model(cfg), cp_mesh=cp_mesh, cp_type="ring")
+    ring = build_model(cfg)
+    _apply_cp(ring, cp_mesh=cp_mesh, cp_type="ring")  # attention: the K/V ring; Mamba-2: state passing
+    assert {attr: _wrapped(op) for attr, op in _ops(ring)} == {"attn_op": ring_attention, "ssm_op": ring_ssm}

@@ -15,6 +15,7 @@ from nemo_ac.data import medpix
 from nemo_ac.data.batch import PackedBatch
 from nemo_ac.data.medpix import MedPixBatches
 from nemo_ac.data.medpix_sample import synthetic_medpix_records, write_synthetic_medpix
+from nemo_ac.distributed.env import once_per_node
 
 pytest.importorskip("PIL", reason="MedPix images need pillow (the hf extra)")
 
@@ -128,7 +129,7 @@ def test_hub_dataset_is_loaded_by_local_rank_0_before_the_other_ranks(monkeypatc
     monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
     for local_rank in ("0", "3"):
         monkeypatch.setenv("LOCAL_RANK", local_rank)
-        assert medpix.load_once_per_node(lambda r=local_rank: calls.append(f"load {r}") or r) == local_rank
+        assert once_per_node(lambda r=local_rank: calls.append(f"load {r}") or r) == local_rank
     assert calls == ["load 0", "barrier", "barrier", "load 3"]
     monkeypatch.setenv("LOCAL_RANK", "0")
 
@@ -137,14 +138,14 @@ def test_hub_dataset_is_loaded_by_local_rank_0_before_the_other_ranks(monkeypatc
 
     calls.clear()
     with pytest.raises(FileNotFoundError):  # raised after the barrier, so the node's other ranks are not left waiting
-        medpix.load_once_per_node(fails)
+        once_per_node(fails)
     assert calls == ["barrier"]
 
 
-def test_hub_id_goes_through_load_once_per_node(monkeypatch) -> None:
+def test_hub_id_goes_through_once_per_node(monkeypatch) -> None:
     datasets = pytest.importorskip("datasets", reason="needs the datasets library")
     seen = []
     monkeypatch.setattr(datasets, "load_dataset", lambda path, split: [{"path": path, "split": split}])
-    monkeypatch.setattr(medpix, "load_once_per_node", lambda load: seen.append("once") or load())
+    monkeypatch.setattr(medpix, "once_per_node", lambda load: seen.append("once") or load())
     rows, base = medpix.load_medpix_dataset("org/some-medpix", "train")
     assert seen == ["once"] and rows == [{"path": "org/some-medpix", "split": "train"}] and base is None

@@ -67,21 +67,28 @@ def test_training_knobs_are_not_architecture(tmp_path: Path) -> None:
 
 
 def test_directory_problems_and_families_without_a_mapping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    recipe = load_recipe(NEMOTRON, [f"model.pretrained={tmp_path}"])
-    assert [i.key for i in check_hf_weights(recipe)] == ["model.pretrained"]  # no config.json
+    # model.pretrained fills the architecture when the recipe is loaded, so a config.json that cannot be found or
+    # read fails right there, naming the key (no process group, no torch needed).
+    def load_error(value: str) -> str:
+        with pytest.raises(ConfigError) as info:
+            load_recipe(NEMOTRON, [f"model.pretrained={value}"])
+        assert info.value.keys == ["model.pretrained"]
+        return str(info.value)
+
+    assert "is a directory without config.json" in load_error(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    (issue,) = architecture_issues(recipe.model, tmp_path)
+    assert "model_type 'llama' has no nemo_ac family" in load_error(str(tmp_path))
+    recipe = load_recipe(NEMOTRON)
+    (issue,) = architecture_issues(recipe.model, tmp_path)  # the post-download check reads it the same way
     assert issue.key == "model.pretrained" and "llama" in issue.message
-    hub_id = load_recipe(NEMOTRON, ["model.pretrained=nvidia/some-model"])
-    assert check_hf_weights(hub_id) == []  # checked after download, not here
-    typo = load_recipe(NEMOTRON, [f"model.pretrained={tmp_path / 'no' / 'such'}"])
-    assert "is not a directory (nor a Hub id" in check_hf_weights(typo)[0].message
+    assert "is not available here" in load_error("nvidia/some-model")  # HF_HUB_OFFLINE (conftest): no download
+    assert "is not a directory (nor a Hub id" in load_error(str(tmp_path / "no" / "such"))
     glm = load_recipe(RECIPES / "tiny" / "glm_4_5_air_tiny.yaml", ["checkpoint.export_hf=true"])
     assert check_hf_weights(glm) == []  # every shipped family has a mapping ...
-    import nemo_ac.models.hf.registry as registry  # ... so take one away to see the rejection
+    import nemo_ac.config.hf.registry as registry  # ... so take one away to see the rejection
 
     monkeypatch.setattr(registry, "HF_FAMILIES", {k: v for k, v in registry.HF_FAMILIES.items() if k != "glm4_moe"})
-    monkeypatch.setattr("nemo_ac.trainer.hf_weights.HF_FAMILIES", registry.HF_FAMILIES)
+    monkeypatch.setattr("nemo_ac.config.pretrained.HF_FAMILIES", registry.HF_FAMILIES)
     (issue,) = check_hf_weights(glm)
     assert issue.key == "checkpoint.export_hf" and "no Hugging Face weight mapping" in issue.message
 

@@ -30,7 +30,7 @@ def test_make_run_plan_prints_one_line_per_distinct_block_plan():
         "plan | model.visual.blocks.[0] (1) | no mixer | dense | AC selective | eager | fully_shard(AC(block))",
         "plan | model.language_model.layers.[0] (1) | linear_attention | moe | own FSDP units: router, experts | "
         "AC selective + forward_thread_compile, routing_replay | compile ac_outer | fully_shard(AC(block)) | "
-        "linear_attention ulysses cp2 | experts grouped_mm | dispatch torch ep2",
+        "linear_attention torch, ulysses cp2 | experts grouped_mm | dispatch torch ep2",
         "plan | model.language_model.layers.[1] (1) | softmax_attention | moe | own FSDP units: router, experts | "
         "AC selective + forward_thread_compile, routing_replay | compile ac_outer | fully_shard(AC(block)) | "
         "attention tiled, ulysses cp2 | experts grouped_mm | dispatch torch ep2",
@@ -71,13 +71,20 @@ def test_workarounds_follow_the_gates_and_the_layout():
     assert eager.workarounds == ("profiler_ops_in_sac", "fsdp_hooks_in_sac")
 
 
-def test_ring_over_a_recurrent_mixer_fails_in_the_plan_before_anything_is_applied():
-    """(Recipe validation already rejects it by family; the plan holds the same line for any model.)"""
+def test_ring_over_recurrent_mixers_is_planned_as_state_passing():
+    """Gated DeltaNet (and Mamba-2) layers take ring CP (state passing) beside the attention layers' K/V ring."""
+    lines = _plan(MAKE_RUN, ["parallel.cp_type=ring"], world_size=4, torch_version="2.13.0").summary_lines()
+    assert lines[0].startswith("plan | ep 2 (torch) | cp 2 (ring) |")
+    assert "| linear_attention torch, state-passing ring cp2 |" in lines[2]
+    assert "| attention tiled, ring cp2 |" in lines[3]
+
+
+def test_a_mixer_kind_without_a_cp_op_fails_in_the_plan_before_anything_is_applied():
     recipe = load_recipe(str(MAKE_RUN))
     model = build_model(recipe.model)
-    ring = dataclasses.replace(recipe.parallel, cp_type="ring")
-    with pytest.raises(ValueError, match=r"model.language_model.layers.0 has a linear attention mixer .* ulysses"):
-        decide_plan(model, parallel=ring, cp=2)
+    model.model.language_model.layers[0].linear_attn.mixer_kind = "retention"  # a kind no CP op exists for
+    with pytest.raises(ValueError, match=r"ring has no context-parallel op for model.language_model.layers.0's"):
+        decide_plan(model, parallel=dataclasses.replace(recipe.parallel, cp_type="ring"), cp=2)
 
 
 def test_the_readme_shows_the_plan_make_run_prints():

@@ -1,8 +1,9 @@
 """Context parallel: the sequence of every micro batch is split over the ``cp`` ranks.
 
-``apply_cp`` swaps each sequence mixer's op (``models.interfaces.SequenceMixer``: softmax attention ``attn_op``; for
-Ulysses also Gated DeltaNet's ``linear_attn_op`` and Mamba-2's ``ssm_op``) for its CP version bound to the CP process group; everything else in a
-block (projections, norms, rope, MLP / MoE) is per token and runs on the shard unchanged. The
+``apply_cp`` swaps each sequence mixer's op (``models.interfaces.SequenceMixer``: softmax attention ``attn_op``,
+Gated DeltaNet's ``linear_attn_op`` and Mamba-2's ``ssm_op``) for its CP version bound to the CP process group
+(ulysses: ``ulysses``; ring: the K/V ring ``ring`` for softmax attention, state passing ``state_passing`` for the
+recurrent mixers); everything else in a block (projections, norms, rope, MLP / MoE) is per token and runs on the shard unchanged. The
 trainer's batch preparer (``nemo_ac.trainer.batching``) shards tokens, labels, positions and document ids with
 ``sharding.shard_positions`` and attaches the op's per-micro-batch metadata to ``AttentionInputs.context_parallel``.
 """
@@ -24,6 +25,7 @@ from nemo_ac.distributed.context_parallel.sharding import (
     shard_sequence,
     ulysses_attention_inputs,
 )
+from nemo_ac.distributed.context_parallel.state_passing import ring_linear_attention, ring_ssm
 from nemo_ac.distributed.context_parallel.ulysses import ulysses_attention, ulysses_linear_attention, ulysses_ssm
 from nemo_ac.distributed.plan import ParallelPlan
 from nemo_ac.models.interfaces import SequenceMixer
@@ -43,8 +45,12 @@ __all__ = [
 
 def _cp_op(mixer: SequenceMixer, *, cp_type: str, group, rank: int, size: int, attention_kernel: str):
     inner = getattr(mixer, mixer.mixer_op_name)
-    if cp_type == "ring":  # the plan rejects ring for recurrent mixers before anything is applied
-        return functools.partial(ring_attention, group=group, cp_rank=rank, cp_size=size, kernel=attention_kernel)
+    if cp_type == "ring":
+        ring = {"softmax_attention": ring_attention, "linear_attention": ring_linear_attention, "ssm": ring_ssm}
+        extra = {"kernel": attention_kernel} if mixer.mixer_kind == "softmax_attention" else {}
+        if mixer.mixer_kind == "linear_attention":
+            extra = {"chunk_size": mixer.chunk_size}
+        return functools.partial(ring[mixer.mixer_kind], group=group, cp_rank=rank, cp_size=size, **extra)
     if mixer.mixer_kind == "softmax_attention":
         return functools.partial(ulysses_attention, inner=inner, group=group, cp_size=size)
     wrapper = ulysses_linear_attention if mixer.mixer_kind == "linear_attention" else ulysses_ssm
@@ -55,9 +61,10 @@ def apply_cp(model: nn.Module, *, plan: ParallelPlan, cp_mesh: DeviceMesh | None
     """Swap every sequence mixer's op for its CP version (``cp_mesh`` None: cp == 1, nothing to do).
 
     Ulysses wraps the mixer's current op (any local op works on a head shard): softmax attention, Gated DeltaNet
-    linear attention and the Mamba-2 scan. Ring replaces softmax attention (it needs each block's log-sum-exp)
-    and cannot take recurrent mixers (``distributed.plan`` says so when deciding). Per-token layers (projections,
-    norms, MLP / MoE) need nothing.
+    linear attention and the Mamba-2 scan. Ring replaces the op: softmax attention by the K/V ring (it needs each
+    block's log-sum-exp), Gated DeltaNet and Mamba-2 by their state-passing torch ops (each slice runs from a zero
+    state; the carried states are exchanged and added). Per-token layers (projections, norms, MLP / MoE) need
+    nothing.
     """
     if cp_mesh is None:
         return

@@ -18,8 +18,10 @@ rule recurrence -- lives in one swappable op, ``GatedDeltaNet.linear_attn_op`` (
 All other work of the layer is per token, so Ulysses context parallelism can all-to-all every input from
 [B, S/cp, H, .] to [B, S, H/cp, .], slice the conv weights along dim 0 to the local heads (a rank keeps Hk/cp key
 heads and the Hv/cp value heads that read them, since value head i reads key head i // (Hv/Hk)), call the inner op
-with the full-sequence document_ids and all-to-all the output back. Ring CP would need the recurrent state passed
-between ranks and is rejected by config validation.
+with the full-sequence document_ids and all-to-all the output back. Ring CP replaces the op by
+``context_parallel.state_passing.ring_linear_attention``: each rank runs its slices from a zero state
+(``chunk_gated_delta_rule(initial_state=..., output_final_state=True)``) and adds the carried state's contribution
+after an exchange of the per-slice final states and transitions.
 
 Packed documents: the conv never reads a token of another document and the recurrent state restarts at every
 document start (a run of equal ``document_ids``), so a packed row computes exactly what each document computes alone.
@@ -64,12 +66,19 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, document_ids: to
     seq = x.shape[1]
     taps = weight.to(x.dtype).unbind(-1)  # one split: per-tap indexing would write a full-size gradient per tap
     out = x * taps[kernel - 1]
+    # One padded copy; each earlier tap reads a view of it (a pad per tap would copy x K-1 times, forward and back).
+    padded = F.pad(x, (0, 0, 0, 0, kernel - 1, 0))
     for shift in range(1, min(kernel, seq)):
-        prev = F.pad(x[:, : seq - shift], (0, 0, 0, 0, shift, 0))
+        prev = padded[:, kernel - 1 - shift : kernel - 1 - shift + seq]
         same = document_ids[:, shift:] == document_ids[:, :-shift]
         same = torch.cat((torch.zeros_like(same[:, :1]).expand(-1, shift), same), dim=1)
         out = out + prev * same[:, :, None, None].to(x.dtype) * taps[kernel - 1 - shift]
     return F.silu(out)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp32 / bf16 / fp16 inputs, fp64 for fp64 (so fp64 parity tests check the math, not fp32 rounding)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -86,20 +95,33 @@ def chunk_gated_delta_rule(
     *,
     doc_starts: torch.Tensor | None = None,
     chunk_size: int = 64,
-) -> torch.Tensor:
-    """Chunked gated delta rule with state resets at document starts, in fp32.
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule with state resets at document starts, in fp32 (fp64 for fp64 inputs).
 
     Recurrence per head: ``S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S_{t-1}' k_t))^T`` with the decayed state
     ``S_{t-1}' = exp(g_t) S_{t-1}``, output ``o_t = S_t^T q_t / sqrt(dk)``; ``S`` restarts from zero at every
     ``doc_starts`` token. q, k: [B, S, H, dk] (already L2-normalized), v: [B, S, H, dv], g, beta: [B, S, H],
     doc_starts: [B, S] bool or None (one document per row). Returns [B, S, H, dv] in q's dtype.
+
+    ``initial_state`` [B, H, dk, dv] (fp32, default zero) is the state carried into position 0: only tokens before
+    the row's first document start read it (none if ``doc_starts[:, 0]``). With ``output_final_state`` the return
+    is ``(out, final)``, ``final`` [B, H, dk, dv] fp32 the state after the last token (it holds only the last
+    document's tokens, plus the decayed initial state if no document starts in the row). Context parallel uses
+    both to pass the state between sequence slices (``context_parallel.state_passing``).
+
+    The chunk loop reads every per-chunk operand from one ``unbind`` (indexing ``t[:, :, i]`` per chunk made
+    autograd allocate and accumulate a full-size zero gradient of ``t`` per chunk, O(n^2) traffic that dominated the
+    backward).
     """
     out_dtype = q.dtype
     b, s, h, dk = k.shape
     dv = v.shape[-1]
     c = chunk_size
-    q, k, v = (t.transpose(1, 2).to(torch.float32) for t in (q, k, v))
-    g, beta = (t.transpose(1, 2).to(torch.float32) for t in (g, beta))
+    acc = accumulation_dtype(q.dtype)
+    q, k, v = (t.transpose(1, 2).to(acc) for t in (q, k, v))
+    g, beta = (t.transpose(1, 2).to(acc) for t in (g, beta))
     q = q * dk**-0.5
     starts = torch.zeros(b, s, dtype=torch.bool, device=q.device) if doc_starts is None else doc_starts.to(q.device)
     pad = (-s) % c
@@ -117,7 +139,7 @@ def chunk_gated_delta_rule(
     within = (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal  # [B, 1, N, C, C]: j <= i, same document
     carried = seg == 0  # [B, 1, N, C]
     # Cumulative log-decay restarted at each document start (a masked sum: no cancellation across documents).
-    cum = (within.to(torch.float32) @ g.unsqueeze(-1)).squeeze(-1)  # [B, H, N, C]
+    cum = (within.to(acc) @ g.unsqueeze(-1)).squeeze(-1)  # [B, H, N, C]
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~within, float("-inf")).exp()
 
     k_beta = k * beta.unsqueeze(-1)
@@ -132,14 +154,20 @@ def chunk_gated_delta_rule(
     k_write = k * to_end.unsqueeze(-1)
     chunk_decay = read[..., -1]  # [B, H, N]
 
-    state = q.new_zeros(b, h, dk, dv)
+    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(q.dtype)
+    # Per-chunk views by one unbind each (see the docstring).
+    values_in = new_values.unbind(2)
+    cumdecay_in = k_cumdecay.unbind(2)
+    write_in = k_write.transpose(-1, -2).unbind(2)
+    decay_in = chunk_decay[..., None, None].unbind(2)
+    q_in, intra_in = q_read.unbind(2), intra.unbind(2)
     outs = []
-    for i in range(n):
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
-        outs.append(q_read[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i, None, None] + k_write[:, :, i].transpose(-1, -2) @ v_new
-    out = torch.stack(outs, dim=2).reshape(b, h, n * c, dv)[:, :, :s]
-    return out.transpose(1, 2).contiguous().to(out_dtype)
+    for i in range(n):  # sequential over chunks: each reads the state the previous one left
+        v_new = values_in[i] - cumdecay_in[i] @ state
+        outs.append(q_in[i] @ state + intra_in[i] @ v_new)
+        state = state * decay_in[i] + write_in[i] @ v_new
+    out = torch.stack(outs, dim=2).reshape(b, h, n * c, dv)[:, :, :s].transpose(1, 2).contiguous().to(out_dtype)
+    return (out, state) if output_final_state else out
 
 
 def packed_gated_delta_rule(
@@ -164,8 +192,8 @@ def packed_gated_delta_rule(
     if ratio > 1:
         q = q.repeat_interleave(ratio, dim=2)
         k = k.repeat_interleave(ratio, dim=2)
-    q = l2norm(q.to(torch.float32))
-    k = l2norm(k.to(torch.float32))
+    q = l2norm(q.to(accumulation_dtype(q.dtype)))
+    k = l2norm(k.to(accumulation_dtype(k.dtype)))
     out = chunk_gated_delta_rule(q, k, v, g, beta, doc_starts=document_starts(doc), chunk_size=chunk_size)
     return out.to(v.dtype)
 
@@ -193,7 +221,7 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer. ``forward(x [B, S, H], *, attn) -> [B, S, H]``."""
 
-    # interfaces.SequenceMixer: context parallel swaps ``linear_attn_op`` (ulysses only).
+    # interfaces.SequenceMixer: context parallel swaps ``linear_attn_op`` (ulysses: wraps it; ring: state passing).
     mixer_kind = "linear_attention"
     mixer_op_name = "linear_attn_op"
 
@@ -225,6 +253,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         # Swappable sequence-mixing core (context parallel); a plain attribute, not a submodule.
+        self.chunk_size = cfg.chunk_size  # also read by ring CP's state-passing op
         self.linear_attn_op: LinearAttentionOp = functools.partial(packed_gated_delta_rule, chunk_size=cfg.chunk_size)
 
     def initial_parameter(self, name: str, generator: torch.Generator) -> torch.Tensor | None:

@@ -24,7 +24,9 @@ Everything outside ``ssm_op`` is pointwise along the sequence, so it runs unchan
 Ulysses context parallel wraps this op: all-to-all x / dt (heads) and B / C (groups; needs G % cp == 0, otherwise
 B / C must be gathered instead) from sequence-sharded to head-sharded, call the inner op with
 ``params.select(...)`` for this rank's heads and groups and full-sequence document ids, all-to-all y back. Ring CP
-cannot run it as is (the recurrence is sequential along the sequence) and must be rejected for Mamba layers.
+replaces it by ``context_parallel.state_passing.ring_ssm``: each rank scans its slices from a zero state
+(``ssd_chunk_scan(output_final_state=True)``), the final states and decays are exchanged, and each slice adds the
+carried state's contribution.
 """
 
 from __future__ import annotations
@@ -144,25 +146,32 @@ def ssd_chunk_scan(
     C: torch.Tensor,
     params: Mamba2CoreParams,
     segments: torch.Tensor,
-) -> torch.Tensor:
-    """Chunked SSD (state-space dual) scan, fp32: transformers' ``mamba2_chunk_scan`` plus segment masks.
+    *,
+    output_final_state: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Chunked SSD (state-space dual) scan, fp32 (fp64 for fp64 inputs): transformers' ``mamba2_chunk_scan`` plus segment masks.
 
     x [B, S, nh, hd], dt [B, S, nh] (raw), B / C [B, S, G, N], segments [B, S]. Returns [B, S, nh, hd] fp32.
     Isolation masks (exact, by multiplication with 0/1): intra-chunk pairs must share a segment; a chunk's
     end state only collects its last segment's tokens; chunk states propagate only between chunk ends in the same
     segment; a token reads the carried state only if it is in the segment of the previous chunk's end.
+
+    With ``output_final_state`` returns ``(y, final)``, ``final`` [B, nh, hd, N] fp32 the state after the last
+    token (only its segment's tokens); context parallel carries it into the next sequence slice
+    (``context_parallel.state_passing``), whose tokens add ``C_t . exp(cumsum a) * final`` themselves.
     """
     b, s, nh, hd = x.shape
     rep = nh // B.shape[2]
     chunk = params.chunk_size
-    dt = F.softplus(dt.float() + params.dt_bias.float()).clamp(params.dt_min, params.dt_max)
-    x = x.float()
-    B = B.float().repeat_interleave(rep, dim=2)
-    C = C.float().repeat_interleave(rep, dim=2)
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp64 inputs (parity tests) keep fp64
+    dt = F.softplus(dt.to(acc) + params.dt_bias.to(acc)).clamp(params.dt_min, params.dt_max)
+    x = x.to(acc)
+    B = B.to(acc).repeat_interleave(rep, dim=2)
+    C = C.to(acc).repeat_interleave(rep, dim=2)
     pad = (chunk - s % chunk) % chunk
     d_residual = params.D[:, None] * x
     x = x * dt[..., None]
-    a = params.A.float() * dt
+    a = params.A.to(acc) * dt
     x, a, B, C = (_chunks(t, pad, chunk) for t in (x, a, B, C))
     if pad:  # padded tail positions continue the last segment (their x, B, C are zero)
         segments = torch.cat([segments, segments[:, -1:].expand(b, pad)], dim=1)
@@ -188,15 +197,17 @@ def ssd_chunk_scan(
     boundary = torch.cat([end_seg[:, :1], end_seg], dim=1)  # segment at the end of chunk i-1 (index i)
     carry = (boundary[:, :, None] == boundary[:, None, :]).to(a.dtype)  # [b, target, source]
     decay_chunk = torch.exp(_segment_sum(F.pad(a_cumsum[..., -1], (1, 0)))) * carry[:, None]
-    states = torch.einsum("bzch,bzhpn->bchpn", decay_chunk.transpose(1, 3), states)[:, :-1]
+    states = torch.einsum("bzch,bzhpn->bchpn", decay_chunk.transpose(1, 3), states)
+    final = states[:, -1]  # after the last chunk (padded tail tokens decay by exp(0) and write nothing)
+    states = states[:, :-1]
 
     # 4. Carried state -> output, for tokens still in the segment that the previous chunk ended in.
     reads = (seg == boundary[:, :-1, None]).to(a.dtype)  # [b, c, l]
     state_decay_out = torch.exp(a_cumsum) * reads[:, None]
     y_off = torch.einsum("bclhn,bchpn->bclhp", C, states) * state_decay_out.permute(0, 2, 3, 1)[..., None]
 
-    y = (y_diag + y_off).reshape(b, -1, nh, hd)[:, :s]
-    return y + d_residual
+    y = (y_diag + y_off).reshape(b, -1, nh, hd)[:, :s] + d_residual
+    return (y, final) if output_final_state else y
 
 
 def mamba2_ssm(
@@ -215,7 +226,7 @@ def mamba2_ssm(
     if attn.context_parallel is not None:
         raise RuntimeError(
             "Mamba-2 got a context-parallel sequence shard but its ssm_op is the single-sequence default; the "
-            "parallelizer must install the ulysses ssm_op on Mamba layers (ring CP cannot run Mamba-2)"
+            "parallelizer must install the ulysses ssm_op (or ring CP's state-passing one) on Mamba layers"
         )
     b, s, nh, _ = x.shape
     if nh % B.shape[2]:
@@ -258,7 +269,7 @@ class GatedRMSNorm(nn.Module):
 class Mamba2Mixer(nn.Module):
     """Nemotron-H Mamba-2 mixer. ``forward(h [B, S, H], *, attn) -> [B, S, H]``; see the module docstring."""
 
-    # interfaces.SequenceMixer: context parallel swaps ``ssm_op`` (ulysses only).
+    # interfaces.SequenceMixer: context parallel swaps ``ssm_op`` (ulysses: wraps it; ring: state passing).
     mixer_kind = "ssm"
     mixer_op_name = "ssm_op"
 

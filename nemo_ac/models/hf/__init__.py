@@ -1,15 +1,24 @@
 """Hugging Face interchange: ``config.json`` <-> ``ModelConfig`` and safetensors checkpoints <-> nemo_ac models.
 
-``registry`` holds ``HFFamily``, the registry keyed by HF ``model_type`` and the helpers the families share; one
-module per family (``qwen3_moe``, ``glm4_moe``, ``nemotron_h``, ``qwen3_5_moe``) maps its ``config.json`` both ways
-and registers itself on import; ``io`` loads and exports safetensors checkpoints through the registered mapping.
-Importing this package imports every family, so the registry is complete. The families import the registry, never
-the other way round.
+The ``config.json`` side is pure and lives in ``nemo_ac.config.hf`` (the registry keyed by HF ``model_type`` and one
+module per family: ``qwen3_moe``, ``glm4_moe``, ``nemotron_h``, ``qwen3_5_moe``), because recipes read a pretrained
+checkpoint's ``config.json`` before any process group and ``config/`` may not import ``models/``. ``io`` loads and
+exports safetensors checkpoints through that registered mapping; this package re-exports both.
 """
 
 from __future__ import annotations
 
-from nemo_ac.models.hf import glm4_moe, nemotron_h, qwen3_5_moe, qwen3_moe  # noqa: F401 (register the families)
+from nemo_ac.config.hf import (
+    HF_FAMILIES,
+    HFDict,
+    HFFamily,
+    hf_config_dict,
+    hf_family,
+    load_hf_config_dict,
+    read_hf_config,
+    read_hf_config_dict,
+    register_hf_family,
+)
 from nemo_ac.models.hf.io import (
     INDEX_FILE,
     HFCheckpointError,
@@ -19,16 +28,6 @@ from nemo_ac.models.hf.io import (
     materialize_and_load,
     model_tensors,
     resolve_pretrained,
-)
-from nemo_ac.models.hf.registry import (
-    HF_FAMILIES,
-    HFDict,
-    HFFamily,
-    hf_config_dict,
-    hf_family,
-    load_hf_config_dict,
-    read_hf_config,
-    register_hf_family,
 )
 
 __all__ = [
@@ -46,6 +45,7 @@ __all__ = [
     "materialize_and_load",
     "model_tensors",
     "read_hf_config",
+    "read_hf_config_dict",
     "register_hf_family",
     "resolve_pretrained",
 ]

@@ -40,9 +40,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from nemo_ac.config.hf import HFFamily, hf_config_dict, hf_family
 from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models.common.experts import GroupedExperts
-from nemo_ac.models.hf.registry import HFFamily, hf_config_dict, hf_family
 from nemo_ac.models.hf.sharded_io import ReadStats, gather_to_writer, local_region
 from nemo_ac.models.init import canonical_name, copy_full_into
 
@@ -386,7 +386,7 @@ def export_hf_checkpoint(
 
     Collective when the model holds DTensors: every rank must call it; rank 0 writes and gets the file list, the
     others get ``[]``. ``dtype`` casts floating-point parameters (buffers such as ``e_score_correction_bias`` keep
-    their dtype, as transformers keeps them fp32). ``config.json`` comes from ``nemo_ac.models.hf.registry``.
+    their dtype, as transformers keeps them fp32). ``config.json`` comes from ``nemo_ac.config.hf.registry``.
     """
     cfg: ModelConfig = model.config  # type: ignore[assignment]
     spec = hf_family(family or cfg.family)

@@ -6,8 +6,7 @@ Softmax routing without a shared expert, q/k norms, and an optional dense prefix
 
 from __future__ import annotations
 
-from nemo_ac.config.schema import ModelConfig, MoEConfig
-from nemo_ac.models.hf.registry import (
+from nemo_ac.config.hf.registry import (
     HFDict,
     HFFamily,
     first_present,
@@ -17,6 +16,7 @@ from nemo_ac.models.hf.registry import (
     require,
     write_common,
 )
+from nemo_ac.config.schema import ModelConfig, MoEConfig
 
 
 def read_qwen3_moe(d: HFDict) -> ModelConfig:

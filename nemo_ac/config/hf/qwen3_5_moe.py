@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_ac.config.hf.registry import HFDict, HFFamily, read_rope, register_hf_family, require
 from nemo_ac.config.schema import LinearAttentionConfig, ModelConfig, MoEConfig, VisionConfig
-from nemo_ac.models.hf.registry import HFDict, HFFamily, read_rope, register_hf_family, require
 
 _LAYER_TYPES = {"linear_attention": "L", "full_attention": "A"}
 # transformers' Qwen3_5MoeTextConfig: no layer_types means every 4th layer is full attention.

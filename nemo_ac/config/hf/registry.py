@@ -7,8 +7,8 @@ transformers can load), how checkpoint keys differ from nemo_ac's (``key_renames
 (``ignore_key``: multi-token-prediction layers). Another family registers itself with ``register_hf_family``.
 
 This module holds the registry, the ``config.json`` dispatch and the helpers the families share; each family's
-mapping lives in its own module of ``nemo_ac.models.hf`` and registers itself on import (``nemo_ac.models.hf``
-imports them all). This module imports no family.
+mapping lives in its own module of ``nemo_ac.config.hf`` and registers itself on import (``nemo_ac.config.hf``
+imports them all). This module imports no family, and nothing here imports torch.
 
 HF defaults (transformers 5.18's config classes) fill keys missing from a config.json; settings nemo_ac does not
 implement (other rope types, other activations, sparse-step layouts) raise ``NotImplementedError`` naming the key.
@@ -83,11 +83,15 @@ def load_hf_config_dict(path: str | Path) -> HFDict:
 
 def read_hf_config(path: str | Path) -> ModelConfig:
     """``ModelConfig`` for the model directory at ``path``, dispatched on its ``model_type``."""
-    d = load_hf_config_dict(path)
+    return read_hf_config_dict(load_hf_config_dict(path), source=str(path))
+
+
+def read_hf_config_dict(d: HFDict, *, source: str = "config.json") -> ModelConfig:
+    """``ModelConfig`` of a ``config.json`` dict, dispatched on its ``model_type``."""
     model_type = d.get("model_type")
     if model_type not in HF_FAMILIES:
         raise NotImplementedError(
-            f"{path}: model_type {model_type!r} has no nemo_ac family (supported: {', '.join(sorted(HF_FAMILIES))})"
+            f"{source}: model_type {model_type!r} has no nemo_ac family (supported: {', '.join(sorted(HF_FAMILIES))})"
         )
     return HF_FAMILIES[model_type].read(d)
 

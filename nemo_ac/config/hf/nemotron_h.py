@@ -8,8 +8,7 @@ weights under a top-level ``mtp.`` prefix, skipped on load.
 
 from __future__ import annotations
 
-from nemo_ac.config.schema import MambaConfig, ModelConfig, MoEConfig
-from nemo_ac.models.hf.registry import (
+from nemo_ac.config.hf.registry import (
     HFDict,
     HFFamily,
     first_present,
@@ -18,6 +17,7 @@ from nemo_ac.models.hf.registry import (
     require,
     write_common,
 )
+from nemo_ac.config.schema import MambaConfig, ModelConfig, MoEConfig
 
 # transformers 5 layer types (and their legacy names) -> hybrid_override_pattern characters.
 _PATTERN_OF_TYPE = {

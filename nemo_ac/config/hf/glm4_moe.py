@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import re
 
-from nemo_ac.config.schema import ModelConfig, MoEConfig
-from nemo_ac.models.hf.registry import (
+from nemo_ac.config.hf.registry import (
     HFDict,
     HFFamily,
     first_present,
@@ -20,6 +19,7 @@ from nemo_ac.models.hf.registry import (
     require,
     write_common,
 )
+from nemo_ac.config.schema import ModelConfig, MoEConfig
 
 
 def read_glm4_moe(d: HFDict) -> ModelConfig:

@@ -1,0 +1,34 @@
+"""Hugging Face ``config.json`` <-> ``ModelConfig``: the registry and one module per family.
+
+Pure (no torch): ``config.load`` reads a ``model.pretrained`` checkpoint's ``config.json`` through these mappings
+before any process group exists, so they live under ``config/`` (which may import neither ``models/`` nor torch);
+``nemo_ac.models.hf`` uses the same registry for the safetensors key mapping. Importing this package imports every
+family, so the registry is complete; the families import the registry, never the other way round.
+"""
+
+from __future__ import annotations
+
+from nemo_ac.config.hf import glm4_moe, nemotron_h, qwen3_5_moe, qwen3_moe  # noqa: F401 (register the families)
+from nemo_ac.config.hf.registry import (
+    HF_FAMILIES,
+    HFDict,
+    HFFamily,
+    hf_config_dict,
+    hf_family,
+    load_hf_config_dict,
+    read_hf_config,
+    read_hf_config_dict,
+    register_hf_family,
+)
+
+__all__ = [
+    "HF_FAMILIES",
+    "HFDict",
+    "HFFamily",
+    "hf_config_dict",
+    "hf_family",
+    "load_hf_config_dict",
+    "read_hf_config",
+    "read_hf_config_dict",
+    "register_hf_family",
+]

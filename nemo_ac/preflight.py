@@ -1,0 +1,117 @@
+"""The one validation path: every check a run makes before its process group, shared by ``nemo-ac validate``, the
+torchrun entry (``nemo_ac.train``) and ``nemo-ac train``.
+
+``preflight(recipe_path, overrides, world_size=..., check_env=...)`` runs, in order, collecting every problem into
+one ``ConfigError`` (each naming its key and the fix):
+
+1. load: YAML + overrides, the typed schema, and ``model.pretrained``'s config.json filling the architecture
+   (``config.load`` / ``config.pretrained``; this is where an unreadable or unavailable config.json fails);
+2. the cross-field rules (``config.validate.RULES``) at ``world_size``;
+3. the pretrained checkpoint: its config.json fits the recipe, the family has an HF mapping for a load or an export
+   (``config.pretrained.check_pretrained``);
+4. paths: ``checkpoint.resume`` names a complete checkpoint, ``checkpoint.dir`` holds no other run's later steps
+   (``trainer.checkpoint_files.check_checkpoint_paths``), and the directories the run writes (run dir, checkpoints,
+   HF export) can be created;
+5. with ``check_env`` (always for a run, ``--check-env`` for validate): the optional extras, CUDA, DeepEP and the
+   torch.compile backend the recipe names (``config.environment``).
+
+Nothing here starts a process group or builds a model; only step 5 imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nemo_ac.config import ConfigError, ConfigIssue, RecipeConfig, check_environment, load_recipe, validate_recipe
+from nemo_ac.config.pretrained import check_pretrained
+from nemo_ac.config.validate import ParallelLayout
+from nemo_ac.trainer.checkpoint_files import check_checkpoint_paths
+
+
+@dataclass
+class Preflight:
+    """A recipe that passed every check, its layout, and the notes loading made (print them once, on rank 0)."""
+
+    recipe: RecipeConfig
+    layout: ParallelLayout
+    notes: list[str] = field(default_factory=list)
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why ``path`` (a directory the run will create or write into) cannot be written, or None."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            return "has no existing parent directory"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"cannot be created: {probe} is a file"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"cannot be written: {probe} is not writable by this user"
+    return None
+
+
+def check_writable_dirs(recipe: RecipeConfig) -> list[ConfigIssue]:
+    """The directories this run writes: the run dir always, checkpoints when saving, the HF export when exporting."""
+    targets = {"logging.run_dir": recipe.logging.run_dir}
+    if recipe.checkpoint.enabled and recipe.checkpoint.dir:
+        targets["checkpoint.dir"] = recipe.checkpoint.dir
+    if recipe.checkpoint.export_hf:
+        export = recipe.checkpoint.export_hf_dir or str(Path(recipe.checkpoint.dir or ".") / "hf")
+        targets["checkpoint.export_hf_dir"] = export
+    issues = []
+    for key, value in targets.items():
+        reason = _unwritable(Path(value).expanduser())
+        if reason is not None:
+            issues.append(ConfigIssue(key, f"'{value}' {reason}; point {key} at a writable location"))
+    return issues
+
+
+def check_compile_backend(recipe: RecipeConfig) -> list[ConfigIssue]:
+    """A ``compile.backend`` this torch does not register (imports torch._dynamo; environment check)."""
+    if not recipe.compile.enabled:
+        return []
+    import torch._dynamo
+
+    try:
+        known = set(torch._dynamo.list_backends(exclude_tags=()))
+    except Exception:  # listing is best effort; parallelize checks again
+        return []
+    if recipe.compile.backend in known:
+        return []
+    return [
+        ConfigIssue(
+            "compile.backend",
+            f"{recipe.compile.backend!r} is not a registered torch.compile backend; use one of {sorted(known)}",
+        )
+    ]
+
+
+def preflight(
+    recipe_path: str,
+    overrides: Sequence[str] = (),
+    *,
+    world_size: int,
+    check_env: bool,
+    cuda_available: bool | None = None,
+) -> Preflight:
+    """Every check before the process group (module docstring); ``ConfigError`` listing all problems found."""
+    notes: list[str] = []
+    recipe = load_recipe(recipe_path, overrides, notes=notes)
+    layout = validate_recipe(recipe, world_size=world_size, source=recipe_path)
+    issues = check_pretrained(recipe)
+    issues += check_checkpoint_paths(recipe.checkpoint)
+    issues += check_writable_dirs(recipe)
+    if check_env:
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+        issues += check_environment(recipe, cuda_available=cuda_available)
+        issues += check_compile_backend(recipe)
+    if issues:
+        raise ConfigError(issues, source=recipe_path)
+    return Preflight(recipe=recipe, layout=layout, notes=notes)
