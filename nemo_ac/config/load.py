@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue, did_you_mean
 from nemo_ac.config.pretrained import fill_model_section
+from nemo_ac.config.recipes import shipped_data_file
 from nemo_ac.config.schema import RecipeConfig
 
 _MISSING = object()
@@ -79,14 +80,26 @@ def recipe_from_container(
     recipe = _convert(RecipeConfig, data, "", issues)
     if issues:
         raise ConfigError(issues, source=source)
-    return resolve_paths(typing.cast(RecipeConfig, recipe))
+    return resolve_paths(typing.cast(RecipeConfig, recipe), notes=notes)
 
 
-def resolve_paths(recipe: RecipeConfig) -> RecipeConfig:
+def resolve_paths(recipe: RecipeConfig, *, notes: list[str] | None = None) -> RecipeConfig:
     """Fill the paths whose default depends on another key (in place; returns ``recipe``): ``checkpoint.dir`` null
-    or empty -> ``<logging.run_dir>/checkpoints``. An explicit ``checkpoint.dir`` is kept as written."""
+    or empty -> ``<logging.run_dir>/checkpoints``. An explicit ``checkpoint.dir`` is kept as written.
+
+    A relative ``data.path`` under ``data/`` that is not there from the working directory but ships with nemo_ac
+    (the tiny recipes' generated corpora) becomes the shipped file's absolute path, with a note: run from outside a
+    checkout (a wheel install, ``nemo-ac train tiny/nemotron_super_v3_tiny``), the recipe otherwise fails with
+    ``'data/tiny_corpus.jsonl' ... not found``. A file of that name in the working directory always wins."""
     if not recipe.checkpoint.dir:
         recipe.checkpoint.dir = str(Path(recipe.logging.run_dir) / "checkpoints")
+    shipped = shipped_data_file(recipe.data.path) if recipe.data.path else None
+    if shipped is not None and not Path(recipe.data.path).exists():
+        if notes is not None:
+            notes.append(
+                f"data.path: {recipe.data.path} is not in the working directory; using nemo_ac's copy {shipped}"
+            )
+        recipe.data.path = str(shipped)
     return recipe
 
 

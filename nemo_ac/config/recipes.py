@@ -22,6 +22,16 @@ def recipes_root() -> Path:
     return Path(str(resources.files("nemo_ac") / "recipes"))
 
 
+def shipped_data_file(path: str) -> Path | None:
+    """The copy shipped with nemo_ac (``nemo_ac/shipped_data``, a link to the repository's ``data/``) of a relative
+    ``data/<file>`` path, or None when ``path`` is not of that form or no such file ships."""
+    parts = Path(path).parts
+    if Path(path).is_absolute() or len(parts) != 2 or parts[0] != "data":
+        return None
+    candidate = Path(str(resources.files("nemo_ac") / "shipped_data")) / parts[1]
+    return candidate.resolve() if candidate.is_file() else None
+
+
 def _description(path: Path, limit: int = 110) -> str:
     lines = []
     for line in path.read_text().splitlines():

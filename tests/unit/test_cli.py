@@ -112,6 +112,39 @@ def test_the_wheel_ships_every_recipe():
             assert any(fnmatch.fnmatch(rel, p) and rel.count("/") == p.count("/") for p in patterns), rel
 
 
+def test_the_wheel_ships_the_tiny_corpora_and_a_recipe_finds_them_outside_a_checkout(tmp_path, monkeypatch, capsys):
+    """The tiny text recipes name ``data/tiny_corpus.jsonl`` (cwd-relative). The wheel carries data/ through the
+    nemo_ac/shipped_data link; from another directory the shipped copy is used, with a note; a file of that name in
+    the working directory wins."""
+    import fnmatch
+    import tomllib
+
+    assert (ROOT / "nemo_ac" / "shipped_data").resolve() == ROOT / "data"
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["nemo_ac"]
+    for path in (ROOT / "data").iterdir():
+        assert any(fnmatch.fnmatch(f"shipped_data/{path.name}", p) for p in patterns), path.name
+
+    from nemo_ac.config.load import load_recipe
+
+    monkeypatch.chdir(tmp_path)
+    notes: list[str] = []
+    recipe = load_recipe(RECIPES / "tiny" / "nemotron_super_v3_tiny.yaml", notes=notes)
+    assert Path(recipe.data.path) == ROOT / "data" / "tiny_corpus.jsonl"
+    assert any(note.startswith("data.path: data/tiny_corpus.jsonl is not in the working directory") for note in notes)
+    assert main(["validate", "tiny/nemotron_super_v3_tiny", "--world-size", "2"]) == 0
+    assert "note | data.path: data/tiny_corpus.jsonl is not in the working directory" in capsys.readouterr().out
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "tiny_corpus.jsonl").write_text('{"text": "own corpus"}\n')
+    notes = []
+    assert (
+        load_recipe(RECIPES / "tiny" / "nemotron_super_v3_tiny.yaml", notes=notes).data.path == "data/tiny_corpus.jsonl"
+    )
+    assert not notes
+    missing = load_recipe(RECIPES / "tiny" / "nemotron_super_v3_tiny.yaml", ["data.path=data/absent.jsonl"])
+    assert missing.data.path == "data/absent.jsonl"  # not shipped: left for the data source to report
+
+
 def test_slurm_template_parses_and_launches_one_torchrun_per_node(tmp_path):
     """bash -n, then the script itself with stand-ins for scontrol and srun (which record the command)."""
     script = ROOT / "scripts" / "slurm" / "nemo_ac.sbatch"
