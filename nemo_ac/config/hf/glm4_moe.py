@@ -14,10 +14,12 @@ from nemo_ac.config.hf.registry import (
     HFFamily,
     first_present,
     read_common,
+    read_grouped_sigmoid_routing,
     read_rope,
     register_hf_family,
     require,
     write_common,
+    write_grouped_sigmoid_routing,
 )
 from nemo_ac.config.schema import ModelConfig, MoEConfig
 
@@ -31,14 +33,7 @@ def read_glm4_moe(d: HFDict) -> ModelConfig:
         num_experts_per_tok=d.get("num_experts_per_tok", 8),
         moe_intermediate_size=inter,
         shared_expert_intermediate_size=d.get("n_shared_experts", 1) * inter,
-        score_func="sigmoid",
-        norm_topk_prob=d.get("norm_topk_prob", True),
-        n_group=d.get("n_group", 1),
-        topk_group=d.get("topk_group", 1),
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-        score_correction_bias=True,
-        # transformers computes GLM's router in fp32 whatever the model dtype.
-        router_dtype="float32",
+        **read_grouped_sigmoid_routing(d),
     )
     return ModelConfig(
         **read_common(d, "glm4_moe"),
@@ -76,10 +71,7 @@ def write_glm4_moe(cfg: ModelConfig) -> HFDict:
         "n_routed_experts": moe.num_experts,
         "n_shared_experts": n_shared,
         "num_experts_per_tok": moe.num_experts_per_tok,
-        "norm_topk_prob": moe.norm_topk_prob,
-        "n_group": moe.n_group,
-        "topk_group": moe.topk_group,
-        "routed_scaling_factor": moe.routed_scaling_factor,
+        **write_grouped_sigmoid_routing(moe),
         "num_nextn_predict_layers": 0,
     }
 

@@ -13,9 +13,11 @@ from nemo_ac.config.hf.registry import (
     HFFamily,
     first_present,
     read_common,
+    read_grouped_sigmoid_routing,
     register_hf_family,
     require,
     write_common,
+    write_grouped_sigmoid_routing,
 )
 from nemo_ac.config.schema import MambaConfig, ModelConfig, MoEConfig
 
@@ -67,14 +69,8 @@ def read_nemotron_h(d: HFDict) -> ModelConfig:
         # transformers: NemotronHMLP(intermediate_size=moe_shared_expert_intermediate_size or intermediate_size).
         shared_expert_intermediate_size=d.get("moe_shared_expert_intermediate_size") or d["intermediate_size"],
         latent_size=d.get("moe_latent_size") or 0,
-        score_func="sigmoid",
-        norm_topk_prob=d.get("norm_topk_prob", True),
-        n_group=d.get("n_group", 1),
-        topk_group=d.get("topk_group", 1),
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-        score_correction_bias=True,
+        **read_grouped_sigmoid_routing(d),
         activation="relu2",
-        router_dtype="float32",  # transformers computes the router in fp32
     )
     return ModelConfig(
         **read_common(d, "nemotron_h"),
@@ -118,10 +114,7 @@ def write_nemotron_h(cfg: ModelConfig) -> HFDict:
         "moe_intermediate_size": moe.moe_intermediate_size,
         "moe_shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
         "moe_latent_size": moe.latent_size or None,
-        "norm_topk_prob": moe.norm_topk_prob,
-        "n_group": moe.n_group,
-        "topk_group": moe.topk_group,
-        "routed_scaling_factor": moe.routed_scaling_factor,
+        **write_grouped_sigmoid_routing(moe),
         "num_nextn_predict_layers": 0,
     }
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_ac.config.schema import ModelConfig
+from nemo_ac.config.schema import ModelConfig, MoEConfig
 
 HFDict = dict[str, Any]
 
@@ -140,6 +140,31 @@ def read_common(d: HFDict, family: str) -> HFDict:
         "tie_word_embeddings": d.get("tie_word_embeddings", False),
         "max_position_embeddings": d.get("max_position_embeddings", 4096),
         "init_std": d.get("initializer_range", 0.02),
+    }
+
+
+def read_grouped_sigmoid_routing(d: HFDict) -> HFDict:
+    """``MoEConfig`` keyword arguments of DeepSeek-V3-style routing (sigmoid scores, a score-correction bias, group
+    top-k, a routed scaling factor), which GLM-4.5 and Nemotron 3 read the same way. transformers computes these
+    routers in fp32 whatever the model dtype, hence ``router_dtype``."""
+    return {
+        "score_func": "sigmoid",
+        "norm_topk_prob": d.get("norm_topk_prob", True),
+        "n_group": d.get("n_group", 1),
+        "topk_group": d.get("topk_group", 1),
+        "routed_scaling_factor": float(d.get("routed_scaling_factor", 1.0)),
+        "score_correction_bias": True,
+        "router_dtype": "float32",
+    }
+
+
+def write_grouped_sigmoid_routing(moe: MoEConfig) -> HFDict:
+    """The inverse of ``read_grouped_sigmoid_routing``: the routing keys of ``config.json``."""
+    return {
+        "norm_topk_prob": moe.norm_topk_prob,
+        "n_group": moe.n_group,
+        "topk_group": moe.topk_group,
+        "routed_scaling_factor": moe.routed_scaling_factor,
     }
 
 
