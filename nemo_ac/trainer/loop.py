@@ -53,6 +53,21 @@ StepCallback = Callable[[int, dict[str, Any]], None]
 
 
 @dataclass
+class StepSums:
+    """What ``Trainer.accumulate`` returns: device tensors, read on the host only after the update."""
+
+    ce: torch.Tensor  # sum of this rank's token cross entropies (float64)
+    aux: torch.Tensor  # this rank's load-balancing loss shares (float64)
+    expert_load: torch.Tensor | None  # [MoE layers, experts] global counts summed over micro batches
+
+
+def count_tokens(prepared: Sequence[PreparedBatch]) -> tuple[int, int]:
+    """(label tokens, positions) of this rank's micro batches: one host sync, before any forward."""
+    labels = sum(int((b.labels != IGNORE_INDEX).sum()) for b in prepared)
+    return labels, sum(int(b.labels.numel()) for b in prepared)
+
+
+@dataclass
 class LoopOptions:
     steps: int
     grad_clip: float
@@ -131,10 +146,43 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         started = time.perf_counter()
         prepared = [self.prepare_batch(batch.to(self.device)) for batch in self._next_micro_batches()]
-        local_tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in prepared)
-        local_positions = sum(int(b.labels.numel()) for b in prepared)
+        local_tokens, local_positions = count_tokens(prepared)
         global_tokens, global_positions = (int(v) for v in self._all_reduce([local_tokens, local_positions]))
+        sums = self.accumulate(prepared, global_tokens=global_tokens)
+        grad_norm, lr = self.update()
+        self.step = step
+        info: dict[str, Any] = {"expert_load": sums.expert_load}
+        for callback in self.options.post_step_callbacks:
+            callback(step, info)
 
+        ce_global, aux_global = self._all_reduce([float(sums.ce), float(sums.aux)])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - started
+        extra = {name: source() for name, source in self.options.metric_sources.items()}
+        return StepMetrics(
+            step=step,
+            loss=ce_global / max(global_tokens, 1),
+            aux_loss=aux_global,
+            grad_norm=float(grad_norm),
+            lr=lr,
+            tokens=global_positions,
+            step_time_s=elapsed,
+            tokens_per_s=global_positions / max(elapsed, 1e-9),
+            peak_memory_gib=peak_memory_gib(self.device),
+            extra=extra,
+        )
+
+    def accumulate(
+        self,
+        prepared: Sequence[PreparedBatch],
+        *,
+        global_tokens: int,
+        after_micro_batch: Callable[[int], None] | None = None,
+    ) -> StepSums:
+        """Forward and backward of every micro batch (gradients accumulate), without a host sync: the device work
+        of a step before its optimizer update. ``global_tokens``: label tokens of the whole global batch (the loss
+        divisor). ``after_micro_batch(index)`` runs after each backward (the dry run resets per-pass trackers)."""
         ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
         aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
         expert_load = None
@@ -155,34 +203,18 @@ class Trainer:
             aux_total += parts.aux.double()
             if parts.expert_load is not None:
                 expert_load = parts.expert_load if expert_load is None else expert_load + parts.expert_load
+            if after_micro_batch is not None:
+                after_micro_batch(index)
+        return StepSums(ce=ce_total, aux=aux_total, expert_load=expert_load)
 
+    def update(self) -> tuple[torch.Tensor, float]:
+        """Clip, optimizer and scheduler step, zero the gradients; returns (grad norm tensor, the LR used)."""
         grad_norm = clip_grad_norm_(self.params, self.options.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step = step
-        info: dict[str, Any] = {"expert_load": expert_load}
-        for callback in self.options.post_step_callbacks:
-            callback(step, info)
-
-        ce_global, aux_global = self._all_reduce([float(ce_total), float(aux_total)])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - started
-        extra = {name: source() for name, source in self.options.metric_sources.items()}
-        return StepMetrics(
-            step=step,
-            loss=ce_global / max(global_tokens, 1),
-            aux_loss=aux_global,
-            grad_norm=float(grad_norm),
-            lr=lr,
-            tokens=global_positions,
-            step_time_s=elapsed,
-            tokens_per_s=global_positions / max(elapsed, 1e-9),
-            peak_memory_gib=peak_memory_gib(self.device),
-            extra=extra,
-        )
+        return grad_norm, lr
 
     def _next_micro_batches(self) -> list[PackedBatch]:
         """This rank's micro batches of step ``self.step + 1``.
