@@ -42,18 +42,21 @@ def all_to_all_rows(
     return funcol.all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, group)
 
 
-def source_major_to_expert_major(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def source_major_to_expert_major(
+    recv_counts: torch.Tensor, *, total_rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Order that makes received rows contiguous per local expert.
 
     recv_counts: [ep, E_local] rows received from each source rank for each local expert; the received buffer holds
     them source-major (all of rank 0's rows, expert by expert, then rank 1's, ...). Returns ``(order,
     tokens_per_local_expert)`` with ``received[order]`` expert-major; within an expert rows keep source order.
-    A stable sort of each row's local expert id (no host sync beyond the row count already known).
+    A stable sort of each row's local expert id. ``total_rows`` (the received row count, already known from the
+    split sizes) spares ``repeat_interleave`` its own device-to-host sync and gives it a static output size.
     """
     ep, num_local = recv_counts.shape
     segment_expert = torch.arange(num_local, device=recv_counts.device).repeat(ep)
     flat_counts = recv_counts.reshape(-1)
-    row_expert = torch.repeat_interleave(segment_expert, flat_counts)
+    row_expert = torch.repeat_interleave(segment_expert, flat_counts, output_size=total_rows)
     return sort_by_expert(row_expert, num_local)
 
 
@@ -83,6 +86,14 @@ class AllToAllDispatcher:
         received = funcol.all_to_all_single(counts, None, None, self.group)
         return received.view(self.ep_size, self.num_local_experts)
 
+    def split_sizes(self, counts: torch.Tensor, recv_counts: torch.Tensor) -> tuple[list[int], list[int]]:
+        """(rows sent to each ep rank, rows received from each) as Python ints, which the all-to-all needs: the one
+        host sync of a dispatch, for both lists at once. ``counts``: [E] rows this rank sends per global expert;
+        ``recv_counts``: [ep, E_local] rows it receives. The dry run (``nemo_ac.simulate``) answers this from its
+        routing assumption instead, the only data-dependent size of the dispatch."""
+        splits = torch.stack((counts.view(self.ep_size, -1).sum(1), recv_counts.sum(1))).tolist()
+        return splits[0], splits[1]
+
     def dispatch(
         self,
         hidden: torch.Tensor,
@@ -95,11 +106,9 @@ class AllToAllDispatcher:
         order, counts = sort_by_expert(top_idx, num_experts)
         rows = permute_tokens(hidden, order, top_idx.shape[-1])
         recv_counts = self._exchange_counts(counts)
-        # One host sync for both split lists (the all-to-all needs Python ints).
-        splits = torch.stack((counts.view(self.ep_size, -1).sum(1), recv_counts.sum(1))).tolist()
-        send_splits, recv_splits = splits[0], splits[1]
+        send_splits, recv_splits = self.split_sizes(counts, recv_counts)
         received = all_to_all_rows(rows, output_splits=recv_splits, input_splits=send_splits, group=self.group)
-        local_order, tokens_per_local_expert = source_major_to_expert_major(recv_counts)
+        local_order, tokens_per_local_expert = source_major_to_expert_major(recv_counts, total_rows=sum(recv_splits))
         ctx = EPDispatchContext(order=order, local_order=local_order, send_splits=send_splits, recv_splits=recv_splits)
         return received.index_select(0, local_order), tokens_per_local_expert, ctx
 
