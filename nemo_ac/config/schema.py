@@ -54,6 +54,11 @@ class MoEConfig:
     # per local expert (the reference; syncs on the per-expert counts). auto: grouped_mm where the device and the
     # compute dtype (parallel.fsdp.param_dtype) support it, loop elsewhere; the run prints its choice. docs/experts.md.
     experts_impl: Literal["auto", "loop", "grouped_mm"] = "auto"
+    # Benchmarks and dry-run checks only: each token's k slots go round robin over the experts (token t, slot j ->
+    # expert (t*k + j) mod num_experts), ignoring the router's scores for the choice (they still weight the outputs);
+    # Megatron-Core's moe_router_force_load_balancing. Every expert then gets the same rows, the assumption
+    # `nemo-ac plan` makes by default, so a real run and its dry run move the same bytes. Never for training.
+    force_balanced_routing: bool = False
 
 
 @dataclass

@@ -19,6 +19,15 @@ from nemo_ac.config.schema import MoEConfig
 from nemo_ac.models.common.routing_replay import select_experts
 
 
+def balanced_expert_ids(
+    tokens: int, *, top_k: int, num_experts: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[tokens, top_k] expert ids round robin: token t, slot j -> expert (t * top_k + j) mod num_experts. Expert e
+    gets ``P // E + (e < P % E)`` of the ``P = tokens * top_k`` rows (``nemo_ac.simulate.routing`` counts the same)."""
+    slots = torch.arange(tokens * top_k, dtype=torch.int64, device=device)
+    return (slots % num_experts).view(tokens, top_k)
+
+
 class TopKRouter(nn.Module):
     """Returns ``(top_scores [T, k] fp32, top_idx [T, k] int64, probs [T, E] fp32)``.
 
@@ -39,6 +48,7 @@ class TopKRouter(nn.Module):
         routed_scaling_factor: float = 1.0,
         score_correction_bias: bool = False,
         router_dtype: Literal["float32", "param"] = "param",
+        force_balanced: bool = False,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -54,6 +64,7 @@ class TopKRouter(nn.Module):
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.router_dtype = router_dtype
+        self.force_balanced = force_balanced
         # The parallelizer reads this to keep the weight fp32 (own FSDP unit with fp32 param dtype).
         self.keep_fp32 = router_dtype == "float32"
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
@@ -76,6 +87,7 @@ class TopKRouter(nn.Module):
             routed_scaling_factor=moe.routed_scaling_factor,
             score_correction_bias=moe.score_correction_bias,
             router_dtype=moe.router_dtype,
+            force_balanced=moe.force_balanced_routing,
         )
 
     def initial_buffer(self, name: str) -> torch.Tensor:
@@ -97,14 +109,19 @@ class TopKRouter(nn.Module):
         else:
             scores = logits.sigmoid()
             probs = scores / scores.sum(dim=-1, keepdim=True)
-        # One op (no gradient): recorded in a checkpoint's forward, replayed in its recompute (routing_replay).
-        top_idx = select_experts(
-            scores,
-            self.e_score_correction_bias,
-            top_k=self.top_k,
-            n_group=self.n_group,
-            topk_group=self.topk_group,
-        )
+        if self.force_balanced:  # model.moe.force_balanced_routing: deterministic, nothing to record or replay
+            top_idx = balanced_expert_ids(
+                scores.shape[0], top_k=self.top_k, num_experts=self.num_experts, device=scores.device
+            )
+        else:
+            # One op (no gradient): recorded in a checkpoint's forward, replayed in its recompute (routing_replay).
+            top_idx = select_experts(
+                scores,
+                self.e_score_correction_bias,
+                top_k=self.top_k,
+                n_group=self.n_group,
+                topk_group=self.topk_group,
+            )
         top_scores = scores.gather(1, top_idx)
         if self.norm_topk_prob:
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
