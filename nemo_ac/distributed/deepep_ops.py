@@ -49,6 +49,8 @@ from typing import Any, Protocol
 
 import torch
 
+from nemo_ac.models.common.op_flops import register_op_flops, zero_flops
+
 
 class BufferSource(Protocol):
     """What the ops need from a dispatcher's buffer cache (``deepep_dispatcher.DeepEPBuffers``)."""
@@ -225,3 +227,8 @@ def _combine_backward(ctx, grad):
 
 
 deepep_combine.register_autograd(_combine_backward, setup_context=_combine_setup_context)
+
+
+# Data movement only: FlopCounterMode and nemo-ac plan count DeepEP's dispatch / combine as 0 FLOPs, by formula.
+for _op in (deepep_dispatch, deepep_dispatch_backward, deepep_combine, deepep_combine_backward):
+    register_op_flops(getattr(torch.ops.nemo_ac, _op._name.split("::")[-1]), zero_flops)

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from nemo_ac.models.common.op_flops import grouped_mm_backward_flops, grouped_mm_flops, register_op_flops
 from nemo_ac.workarounds.grouped_mm_fake_rule import GROUPED_MM_DTYPES, traceable_grouped_mm
 
 __all__ = ["GROUPED_MM_DTYPES", "grouped_matmul", "widths_aligned"]
+
+# FlopCounterMode counts torch._grouped_mm (torch 2.13 has no formula) and the fp32 custom op pair (op_flops).
+register_op_flops(torch.ops.nemo_ac.grouped_mm, grouped_mm_flops)
+register_op_flops(torch.ops.nemo_ac.grouped_mm_backward, grouped_mm_backward_flops)
 
 
 def widths_aligned(dtype: torch.dtype, *widths: int) -> bool:

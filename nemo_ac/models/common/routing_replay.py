@@ -41,6 +41,8 @@ from typing import Any, Literal
 
 import torch
 
+from nemo_ac.models.common.op_flops import register_op_flops, zero_flops
+
 Phase = Literal["forward", "recompute"]
 
 
@@ -118,6 +120,9 @@ def _select_experts_op(
 @_select_experts_op.register_fake
 def _(scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int) -> torch.Tensor:
     return scores.new_empty(scores.shape[0], top_k, dtype=torch.int64)
+
+
+register_op_flops(torch.ops.nemo_ac.select_experts, zero_flops)  # a top-k choice: no matmul work
 
 
 def select_experts(

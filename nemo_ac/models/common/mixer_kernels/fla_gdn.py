@@ -27,6 +27,7 @@ import torch
 
 from nemo_ac.models.common.gated_deltanet import ConvWeights, packed_gated_delta_rule
 from nemo_ac.models.common.mixer_kernels.common import cu_seqlens_of, grads_by_rerun
+from nemo_ac.models.common.op_flops import reference_flops, register_op_flops
 from nemo_ac.models.interfaces import AttentionInputs
 
 _CPU_REFERENCE_CHUNK = 64
@@ -157,3 +158,34 @@ def fla_linear_attn_op(
         )
     wq, wk, wv = conv_weights
     return fla_gated_delta_rule(q, k, v, g, beta, wq, wk, wv, attn.document_ids.to(q.device))
+
+
+def _reference_run(shapes: tuple, *, grad: bool):  # type: ignore[no-untyped-def]
+    """nemo_ac's torch Gated DeltaNet core on inputs of the fla op's shapes (chunk 64, fla's own)."""
+    from types import SimpleNamespace
+
+    from nemo_ac.models.common.gated_deltanet import packed_gated_delta_rule
+
+    def run() -> torch.Tensor:
+        *floats, doc = shapes
+        tensors = [torch.empty(shape, requires_grad=grad) for shape in floats]
+        q, k, v, g, beta, wq, wk, wv = tensors
+        attn = SimpleNamespace(document_ids=torch.zeros(doc, dtype=torch.int64), context_parallel=None)
+        return packed_gated_delta_rule(q, k, v, g, beta, (wq, wk, wv), attn, chunk_size=64)  # type: ignore[arg-type]
+
+    return run
+
+
+def _fla_flops(q, k, v, g, beta, wq, wk, wv, document_ids, *, out_shape: object = None) -> int:
+    shapes = tuple(tuple(s) for s in (q, k, v, g, beta, wq, wk, wv, document_ids))
+    return reference_flops(("fla_gdn", shapes), _reference_run(shapes, grad=False), backward=False)
+
+
+def _fla_backward_flops(grad_out, q, k, v, g, beta, wq, wk, wv, document_ids, *, out_shape: object = None) -> int:
+    """The forward re-run and the backward (what the backward op executes)."""
+    shapes = tuple(tuple(s) for s in (q, k, v, g, beta, wq, wk, wv, document_ids))
+    return reference_flops(("fla_gdn_backward", shapes), _reference_run(shapes, grad=True), backward=True)
+
+
+register_op_flops(torch.ops.nemo_ac.fla_gated_delta_rule, _fla_flops)
+register_op_flops(torch.ops.nemo_ac.fla_gated_delta_rule_backward, _fla_backward_flops)

@@ -22,6 +22,7 @@ import torch
 
 from nemo_ac.models.common.mamba2 import Mamba2CoreParams, mamba2_ssm
 from nemo_ac.models.common.mixer_kernels.common import document_runs, grads_by_rerun
+from nemo_ac.models.common.op_flops import reference_flops, register_op_flops
 from nemo_ac.models.interfaces import AttentionInputs
 
 
@@ -195,3 +196,39 @@ def mamba_ssm_op(
         p.A, p.D, p.dt_bias, attn.document_ids.to(x.device),
         p.chunk_size, float(p.dt_min), float(p.dt_max),
     )  # fmt: skip
+
+
+def _reference_run(shapes: tuple, scalars: tuple, *, grad: bool):  # type: ignore[no-untyped-def]
+    """nemo_ac's torch Mamba-2 core (segment-masked conv + SSD scan) on inputs of the op's shapes."""
+    from types import SimpleNamespace
+
+    def run() -> torch.Tensor:
+        *floats, doc = shapes
+        t = [torch.empty(shape, requires_grad=grad) for shape in floats]
+        chunk, dt_min, dt_max = scalars
+        params = Mamba2CoreParams(*t[4:13], chunk_size=chunk, dt_min=dt_min, dt_max=dt_max)
+        attn = SimpleNamespace(document_ids=torch.zeros(doc, dtype=torch.int64), context_parallel=None)
+        return mamba2_ssm(t[0], t[1], t[2], t[3], params, attn)  # type: ignore[arg-type]
+
+    return run
+
+
+def _mamba_flops(x, B, C, dt, cxw, cxb, cbw, cbb, ccw, ccb, A, D, dt_bias, document_ids, chunk_size, dt_min, dt_max,
+                 *, out_shape: object = None) -> int:  # fmt: skip
+    shapes = tuple(tuple(s) for s in (x, B, C, dt, cxw, cxb, cbw, cbb, ccw, ccb, A, D, dt_bias, document_ids))
+    scalars = (chunk_size, dt_min, dt_max)
+    return reference_flops(("mamba", shapes, scalars), _reference_run(shapes, scalars, grad=False), backward=False)
+
+
+def _mamba_backward_flops(grad_out, tensors, document_ids, chunk_size, dt_min, dt_max, *,
+                          out_shape: object = None) -> int:  # fmt: skip
+    """The forward re-run and the backward (what the backward op executes)."""
+    shapes = (*(tuple(s) for s in tensors), tuple(document_ids))
+    scalars = (chunk_size, dt_min, dt_max)
+    return reference_flops(
+        ("mamba_backward", shapes, scalars), _reference_run(shapes, scalars, grad=True), backward=True
+    )
+
+
+register_op_flops(torch.ops.nemo_ac.mamba_chunk_scan, _mamba_flops)
+register_op_flops(torch.ops.nemo_ac.mamba_chunk_scan_backward, _mamba_backward_flops)
