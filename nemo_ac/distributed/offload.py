@@ -122,6 +122,9 @@ class ActivationOffloader:
 
     def __init__(self, *, min_bytes: int = 1024) -> None:
         self.min_bytes = min_bytes
+        # Where a copy goes when it only has to leave the device's memory accounting: the dry run
+        # (nemo_ac.simulate) sets "meta" (fake tensors have no address to align); None: host memory as above.
+        self.accounting_host: str | None = None
         self.stats = OffloadStats()
         self._stream: Any = None
         # One entry per block forward in progress (blocks do not nest; a stack keeps enter/exit paired).
@@ -152,6 +155,8 @@ class ActivationOffloader:
         if isinstance(packed, _Kept):
             return packed.tensor
         self.stats.unpacked += 1
+        if self.accounting_host is not None:
+            return packed.host.to(packed.device)
         if packed.device.type == "cuda":
             torch.cuda.current_stream(packed.device).wait_event(packed.event)
             device_copy = _empty_like_aligned(packed.host, device=packed.device, address_mod=packed.address_mod)
@@ -159,6 +164,8 @@ class ActivationOffloader:
         return packed.host  # CPU: the host buffer is what backward reads
 
     def _copy_to_host(self, tensor: torch.Tensor) -> _Packed:
+        if self.accounting_host is not None:
+            return _Packed(host=tensor.detach().to(self.accounting_host), device=tensor.device, address_mod=0)
         address_mod = tensor.data_ptr() % _ALIGN_BYTES
         if tensor.device.type == "cuda":
             if self._stream is None:
