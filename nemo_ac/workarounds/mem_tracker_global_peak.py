@@ -1,0 +1,56 @@
+"""``FSDPMemTracker`` at full depth: its per-op cost grows with the number of modules it has seen.
+
+Failure prevented (a performance one: no error, a dry run that does not finish in its budget). torch's
+``MemTracker.__torch_dispatch__`` calls ``_update_peak_stats`` after every op, which walks every module tracked so
+far (``memory_tracking``, a ``WeakIdKeyDictionary``) to update each active module's local peak. A full-size dry run
+of the GLM-4.5-Air recipe (46 blocks, each with its checkpoint wrapper and FSDP units) spent 56% of its time there
+(py-spy; ``WeakIdRef.__call__`` and ``ActivationWrapper.__getattr__`` on top), an O(ops x modules) cost.
+Seen on torch 2.13.0 (``torch/distributed/_tools/mem_tracker.py``); the same loop is in 2.14.1 and 2.15.0.
+
+Also: ops of DTensor's sharding propagation (global-shape fake tensors, ``workarounds.fake_world``) pass untracked.
+
+Fix: ``GlobalPeakFSDPMemTracker`` overrides that one private method with its global half (the per-device peak and
+its breakdown, exactly as torch computes them) and calls ``on_new_peak`` whenever the peak grows; the per-module
+peaks, which nemo_ac never reads, are not kept. Everything else (categories, FSDP instrumentation, optimizer hooks)
+is torch's. A test runs both trackers over the same step and compares their global peaks and breakdowns.
+
+Upstream: none filed. Delete when: ``MemTracker`` offers a global-only mode or makes the per-module update
+proportional to the active modules (``_mod_tracker.parents``) rather than to every module seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from copy import deepcopy
+from typing import Any
+
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+_TOTAL = "Total"
+
+
+class GlobalPeakFSDPMemTracker(FSDPMemTracker):
+    """``FSDPMemTracker`` keeping only the global peak; ``on_new_peak(snapshot)`` runs when it grows."""
+
+    def __init__(self, *args: Any, on_new_peak: Callable[[dict[Any, dict[Any, int]]], None] | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(*args, **kwargs)
+        self.on_new_peak = on_new_peak
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from nemo_ac.workarounds.fake_world import in_sharding_propagation
+
+        if in_sharding_propagation():  # DTensor's global-shape metadata ops allocate nothing (fake_world)
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        grew = False
+        for dev, dev_snap in self._curr_mem_snap.items():
+            total = dev_snap.get(_TOTAL, 0)  # mem_tracker._TOTAL_KEY
+            if self._peak_mem.get(dev, 0) < total:
+                self._peak_mem[dev] = total
+                self._peak_mem_snap[dev] = deepcopy(dev_snap)
+                grew = True
+        if grew and self.on_new_peak is not None:
+            self.on_new_peak(self._curr_mem_snap)
