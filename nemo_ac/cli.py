@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from nemo_ac.config import ConfigError, RecipeConfig
+from nemo_ac.config.errors import ConfigIssue
 from nemo_ac.config.recipes import resolve_recipe, shipped_recipes
 from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.doctor.args import add_doctor_arguments
@@ -21,6 +22,7 @@ def _validate(args: argparse.Namespace) -> int:
         checked = preflight(args.recipe, args.overrides, world_size=args.world_size, check_env=args.check_env)
         recipe, layout = checked.recipe, checked.layout
         plan_lines = _plan_lines(recipe, layout) if args.plan else []
+        memory_lines = _memory_lines(args) if args.gpu else []
     except ConfigError as exc:
         print(f"nemo-ac validate: {exc}", file=sys.stderr)
         return 2
@@ -28,9 +30,31 @@ def _validate(args: argparse.Namespace) -> int:
         f"{args.recipe}: OK at world size {layout.world_size}: dp_replicate {layout.dp_replicate} x dp_shard "
         f"{layout.dp_shard} x cp {layout.cp} ({recipe.parallel.cp_type}), ep {layout.ep} x ep_shard {layout.ep_shard}"
     )
-    for line in [*plan_lines, *(f"note | {note}" for note in checked.notes)]:
+    for line in [*plan_lines, *memory_lines, *(f"note | {note}" for note in checked.notes)]:
         print(line)
     return 0
+
+
+def _memory_lines(args: argparse.Namespace) -> list[str]:
+    """``--gpu``: the dry run's peak against that GPU; a recipe that does not fit is a ConfigError (exit 2)."""
+    from nemo_ac.simulate.cli import dry_run, gpu_specs, memory_refusal
+    from nemo_ac.simulate.report import PlanReport
+    from nemo_ac.simulate.run import SimulationError
+
+    gpus = gpu_specs([args.gpu])
+    try:
+        simulation = dry_run(args.recipe, args.overrides, world_size=args.world_size, depth="scaled")
+    except SimulationError as exc:
+        raise ConfigError(ConfigIssue("--gpu", f"the dry run failed: {exc}"), source=args.recipe) from exc
+    report = PlanReport.build(simulation, gpus)
+    refusal = memory_refusal(report)
+    if refusal is not None:
+        raise ConfigError(ConfigIssue("--gpu", refusal), source=args.recipe)
+    fit = report.fits[0]
+    return [
+        f"memory | fits {fit.gpu}: estimated peak {fit.peak_bytes / 2**30:,.1f} of {fit.usable_bytes / 2**30:,.1f} "
+        f"GiB usable per rank (nemo-ac plan for the breakdown)"
+    ]
 
 
 def _plan_lines(recipe: RecipeConfig, layout: ParallelLayout) -> list[str]:
@@ -100,6 +124,12 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from nemo_ac.simulate.cli import run_plan  # imports torch: only when the command runs
+
+    return run_plan(args)
+
+
 def _recipes(args: argparse.Namespace) -> int:
     if args.overrides:
         print(f"nemo-ac recipes: takes no overrides: {' '.join(args.overrides)}", file=sys.stderr)
@@ -155,7 +185,55 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--world-size", type=int, required=True)
     validate.add_argument("--check-env", action="store_true", help="also require the optional extras it names")
     validate.add_argument("--plan", action="store_true", help="also print the parallel plan the run would apply")
+    validate.add_argument(
+        "--gpu",
+        default=None,
+        help="also dry-run one step at full size (nemo-ac plan) and refuse the recipe if its estimated peak memory "
+        "per rank exceeds this GPU's (h100-80gb, h200-141gb, b200-180gb, a100-80gb)",
+    )
     validate.set_defaults(func=_validate)
+
+    plan = sub.add_parser(
+        "plan",
+        help="dry-run one training step of a recipe at its real size and world size in this process: memory per "
+        "rank, FLOPs, communication, estimated step time and MFU per GPU",
+    )
+    plan.add_argument("recipe", type=resolve_recipe, help=recipe_help)
+    plan.add_argument("--world-size", type=int, default=None, help="default: the recipe's own (when it fixes one)")
+    plan.add_argument(
+        "--gpu",
+        action="append",
+        default=None,
+        help="GPU(s) to estimate for, comma-separated or repeated (default h100-80gb,h200-141gb; also b200-180gb, "
+        "a100-80gb)",
+    )
+    plan.add_argument("--json", default=None, help="also write the report as JSON to this path")
+    plan.add_argument(
+        "--imbalance",
+        type=float,
+        default=1.0,
+        help="routing assumption: the busiest expert's load over the mean (1: balanced, the default)",
+    )
+    plan.add_argument(
+        "--doc-tokens",
+        type=int,
+        default=None,
+        help="stand-in rows (data not readable offline): documents of this many tokens (default: one per row)",
+    )
+    plan.add_argument(
+        "--micro-batches",
+        default="1",
+        help="micro batches of the step to run (the rest counted as the last one run): a number or 'all'",
+    )
+    plan.add_argument(
+        "--depth",
+        choices=["full", "scaled"],
+        default="full",
+        help="full: every block; scaled: one block of each kind (plus one more of each) at real width, scaled to "
+        "the real depth (faster; the report says so)",
+    )
+    plan.add_argument("--sweep", action="store_true", help="rank the layouts that fit at this world size")
+    plan.set_defaults(func=_plan)
 
     export = sub.add_parser(
         "export", help="write a DCP checkpoint as a Hugging Face model directory (config, safetensors, tokenizer)"

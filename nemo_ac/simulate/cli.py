@@ -1,0 +1,120 @@
+"""``nemo-ac plan`` and ``nemo-ac validate --gpu``: argument handling around ``simulate`` and ``PlanReport``.
+
+Every failure is one line and exit 2: a recipe error (``ConfigError``, named by key), an unknown GPU, a world size
+the layout cannot use, or a step that fails under fake tensors (``SimulationError``, naming the op).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.config.load import load_recipe
+from nemo_ac.config.schema import RecipeConfig
+from nemo_ac.simulate.gpus import GpuSpec, gpu_spec
+from nemo_ac.simulate.inputs import DataAssumption
+from nemo_ac.simulate.report import SHRINKS, PlanReport
+from nemo_ac.simulate.routing import RoutingAssumption
+from nemo_ac.simulate.run import Simulation, SimulationError, SimulationOptions, simulate
+
+DEFAULT_GPUS = ("h100-80gb", "h200-141gb")
+
+
+def recipe_world_size(recipe: RecipeConfig) -> int | None:
+    """The world size a recipe fixes by itself (every degree given), else None."""
+    par = recipe.parallel
+    if par.dp_shard == -1:
+        return None
+    return max(par.dp_replicate, 1) * par.dp_shard * max(par.cp, 1)
+
+
+def gpu_specs(values: Sequence[str] | None) -> list[GpuSpec]:
+    names = [name.strip() for value in (values or []) for name in value.split(",") if name.strip()]
+    return [gpu_spec(name) for name in names or DEFAULT_GPUS]
+
+
+def micro_batch_limit(value: str) -> int | None:
+    if value == "all":
+        return None
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        raise ConfigError(ConfigIssue("--micro-batches", f"{value!r}: give a number >= 1 or 'all'"))
+    return limit
+
+
+def dry_run(
+    recipe_path: str,
+    overrides: Sequence[str],
+    *,
+    world_size: int | None,
+    options: SimulationOptions | None = None,
+    depth: str = "full",
+) -> Simulation:
+    """Preflight at the world size (the run's own checks, environment excluded), then the dry run."""
+    from nemo_ac.preflight import preflight
+
+    if world_size is None:
+        world_size = recipe_world_size(load_recipe(recipe_path, overrides))
+        if world_size is None:
+            raise ConfigError(
+                ConfigIssue(
+                    "--world-size",
+                    "is needed: parallel.dp_shard is -1 (the recipe runs at any world size); give the ranks to plan for",
+                ),
+                source=recipe_path,
+            )
+    checked = preflight(recipe_path, overrides, world_size=world_size, check_env=False)
+    options = options or SimulationOptions(world_size=world_size)
+    if depth == "scaled":
+        from nemo_ac.simulate.scaled import simulate_scaled
+
+        return simulate_scaled(checked.recipe, checked.layout, options)
+    return simulate(checked.recipe, checked.layout, options)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        gpus = gpu_specs(args.gpu)
+        if args.doc_tokens is not None and args.doc_tokens < 1:
+            raise ConfigError(ConfigIssue("--doc-tokens", f"{args.doc_tokens}: give a number of tokens >= 1"))
+        options = SimulationOptions(
+            world_size=args.world_size or 0,
+            routing=RoutingAssumption(imbalance=args.imbalance),
+            data=DataAssumption(doc_tokens=args.doc_tokens),
+            micro_batch_limit=micro_batch_limit(args.micro_batches),
+        )
+        if args.sweep:
+            from nemo_ac.simulate.sweep import run_sweep
+
+            return run_sweep(args, gpus=gpus, options=options)
+        simulation = dry_run(args.recipe, args.overrides, world_size=args.world_size, options=options, depth=args.depth)
+    except ConfigError as exc:
+        print(f"nemo-ac plan: {exc}", file=sys.stderr)
+        return 2
+    except SimulationError as exc:
+        print(f"nemo-ac plan: {exc}", file=sys.stderr)
+        return 2
+    report = PlanReport.build(simulation, gpus)
+    print("\n".join(report.lines()))
+    if args.json:
+        report.write_json(args.json)
+        print(f"plan | JSON written to {args.json}")
+    return 0
+
+
+def memory_refusal(report: PlanReport) -> str | None:
+    """Why the recipe does not fit the report's GPU (its largest term and the keys that shrink it), or None."""
+    fit = report.fits[0]
+    if fit.fits:
+        return None
+    term, size = report.simulation.measurement.peak.largest_terms(1)[0]
+    return (
+        f"estimated peak {fit.peak_bytes / 2**30:,.1f} GiB per rank exceeds the {fit.usable_bytes / 2**30:,.1f} GiB "
+        f"usable on {fit.gpu}; the largest term is {term} ({size / 2**30:,.1f} GiB): shrink it with "
+        f"{SHRINKS.get(term, 'train.micro_batch_size or more ranks')} (nemo-ac plan for the breakdown)"
+    )

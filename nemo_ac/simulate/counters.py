@@ -1,0 +1,303 @@
+"""What one training step executes, op by op: FLOPs, memory traffic and collective bytes, in one dispatch mode.
+
+``StepCounter`` sees every op the step dispatches (real or fake tensors alike) and records:
+
+- FLOPs from torch's own formula registry (``torch.utils.flop_counter.flop_registry``: what ``FlopCounterMode``
+  counts, nemo_ac's custom ops included via ``nemo_ac.models.common.op_flops``), split by phase: forward, backward,
+  recompute (a checkpointed forward op run again in backward) and optimizer;
+- bytes read and written (input and output storages, views and no-compute ops excluded) for the roofline;
+- collectives: op, process group (labelled by mesh dimension), payload bytes and the bytes this rank puts on the
+  wire under the ring model (all-gather / reduce-scatter ``(n-1)/n`` of the full buffer, all-reduce twice that,
+  all-to-all what goes to the other ranks, point-to-point what is sent);
+- the ops with no FLOP formula that may compute (named in the report, never counted as 0 silently).
+
+The same mode counts a real gloo run (the accuracy tests) and a fake-world dry run, so the two are compared op for
+op rather than through two counting methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from nemo_ac.models.common.op_flops import needs_formula
+from nemo_ac.workarounds.fake_world import in_backward, in_sharding_propagation, process_group_of
+
+PHASES = ("forward", "backward", "recompute", "optimizer")
+WORLD = "world"  # the label of the default process group (the loop's loss and expert-load all-reduces)
+
+_c10d = torch.ops.c10d
+_fc = torch.ops._c10d_functional
+_fca = torch.ops._c10d_functional_autograd
+
+# Collectives nemo_ac's step issues: op -> (kind, index of the process group argument).
+_COLLECTIVES: dict[Any, tuple[str, int | str]] = {
+    _c10d._allgather_base_.default: ("all_gather", 2),
+    _c10d.allgather_.default: ("all_gather", 2),
+    _c10d._reduce_scatter_base_.default: ("reduce_scatter", 2),
+    _c10d.reduce_scatter_.default: ("reduce_scatter", 2),
+    _c10d.allreduce_.default: ("all_reduce", 1),
+    _c10d.alltoall_base_.default: ("all_to_all", 2),
+    _c10d.broadcast_.default: ("broadcast", 1),
+    _c10d.send.default: ("send", 1),
+    _c10d.recv_.default: ("recv", 1),
+    _fc.all_gather_into_tensor.default: ("all_gather", 2),
+    _fca.all_gather_into_tensor.default: ("all_gather", 2),
+    _fc.reduce_scatter_tensor.default: ("reduce_scatter", 3),
+    _fca.reduce_scatter_tensor.default: ("reduce_scatter", 3),
+    _fc.all_reduce.default: ("all_reduce", 2),
+    _fc.all_to_all_single.default: ("all_to_all", 3),
+    _fca.all_to_all_single.default: ("all_to_all", 3),
+    _fc.broadcast.default: ("broadcast", 2),
+}
+_NO_TRAFFIC = frozenset({_fc.wait_tensor.default, _c10d.barrier.default})
+# Ops that compute nothing and move nothing worth counting for the roofline (metadata, allocation, views).
+_FREE_PACKETS = frozenset(
+    {
+        "detach",
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "expand",
+        "t",
+        "transpose",
+        "permute",
+        "unsqueeze",
+        "squeeze",
+        "as_strided",
+        "slice",
+        "select",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "alias",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "lift_fresh",
+        "_to_copy_meta",
+        "set_",
+        "resize_",
+        "record_stream",
+        "_local_scalar_dense",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "is_same_size",
+    }
+)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class CollectiveRecord:
+    """Collectives of one (mesh dimension, op, overlapped) key over the counted step. ``overlapped``: issued by
+    FSDP2 on its own stream (c10d all-gather / reduce-scatter, and HSDP's all-reduce), which the estimate hides
+    behind compute; the model's functional collectives (EP all-to-all, CP) and the loop's all-reduces block."""
+
+    calls: int = 0
+    payload_bytes: int = 0  # the full buffer of each call (all-gather output, reduce-scatter input, ...)
+    wire_bytes: int = 0  # what this rank sends, ring model
+    ranks: tuple[int, ...] = ()
+
+
+@dataclass
+class OpCost:
+    """One compute op for the roofline: FLOPs, bytes touched, the bits of its first floating input; ``weight``: how
+    many times it counts (micro batches counted but not run; depth scaling, where it may be negative)."""
+
+    flops: int
+    bytes: int
+    bits: int
+    phase: str
+    weight: int = 1
+    name: str = ""
+
+
+@dataclass
+class StepCounts:
+    flops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+    flops_by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    costs: list[OpCost] = field(default_factory=list)
+    collectives: dict[tuple[str, str, bool], CollectiveRecord] = field(default_factory=dict)
+    without_formula: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    ops: int = 0
+
+    @property
+    def total_flops(self) -> int:
+        return sum(self.flops.values())
+
+    @property
+    def model_flops(self) -> int:
+        """Forward and backward, without the recompute and the optimizer: what MFU divides."""
+        return self.flops["forward"] + self.flops["backward"]
+
+    def wire_bytes_by_dim(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (dim, _, _), record in self.collectives.items():
+            out[dim] += record.wire_bytes
+        return dict(out)
+
+
+class StepCounter(TorchDispatchMode):
+    """The dispatch mode (see the module docstring). ``group_labels``: process group name -> mesh dimension label;
+    ``phase("optimizer")`` marks the optimizer step (forward / backward / recompute are found by themselves)."""
+
+    def __init__(
+        self,
+        *,
+        group_labels: dict[str, str] | None = None,
+        keep_costs: bool = True,
+    ) -> None:
+        """The outputs of the model's functional collectives (EP all-to-all, CP exchanges) are kept as live
+        "communication buffer" bytes (FSDP's own buffers the memory tracker names itself); ``buffer_state()``
+        reports them with the phase."""
+        super().__init__()
+        self.group_labels = dict(group_labels or {})
+        self.keep_costs = keep_costs
+        self.counts = StepCounts()
+        self.live_buffer_bytes = 0
+        self.last_op = "no op yet"  # named by a failure report
+        self._buffers: dict[int, Any] = {}
+        self._forced_phase: str | None = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        previous, self._forced_phase = self._forced_phase, name
+        try:
+            yield
+        finally:
+            self._forced_phase = previous
+
+    def reset(self) -> None:
+        self.counts = StepCounts()
+
+    def _phase(self) -> str:
+        if self._forced_phase is not None:
+            return self._forced_phase
+        if in_backward():
+            return "recompute" if torch.is_grad_enabled() else "backward"
+        return "forward"
+
+    def _label(self, group: dist.ProcessGroup | None) -> tuple[str, tuple[int, ...]]:
+        if group is None:
+            return "unknown group", ()
+        ranks = tuple(dist.get_process_group_ranks(group))
+        name = getattr(group, "group_name", "")
+        if name in self.group_labels:
+            return self.group_labels[name], ranks
+        return f"group of {len(ranks)} ranks", ranks
+
+    def _count_collective(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        kind, group_at = _COLLECTIVES[func]
+        group = process_group_of(args[group_at] if isinstance(group_at, int) and group_at < len(args) else None)
+        label, ranks = self._label(group)
+        n = max(len(ranks), 1)
+        first = args[0]
+        if kind == "all_gather":
+            payload = sum(_nbytes(t) for t in _tensors(out if func in (_fc.all_gather_into_tensor.default,
+                                                                       _fca.all_gather_into_tensor.default) else first))  # fmt: skip
+            wire = payload * (n - 1) // n
+        elif kind == "reduce_scatter":
+            source = args[1] if func.namespace == "c10d" else first
+            payload = sum(_nbytes(t) for t in _tensors(source))
+            wire = payload * (n - 1) // n
+        elif kind == "all_reduce":
+            payload = sum(_nbytes(t) for t in _tensors(first))
+            wire = 2 * payload * (n - 1) // n
+        elif kind == "all_to_all":
+            source = args[1] if func.namespace == "c10d" else first
+            splits = args[4] if func.namespace == "c10d" else args[2]
+            payload = _nbytes(source)
+            row = payload // max(source.shape[0], 1) if source.dim() else 0
+            mine = dist.get_rank(group) if group is not None else 0
+            own = (splits[mine] if splits else source.shape[0] // n) * row
+            wire = payload - own
+        else:  # broadcast, send, recv: the buffer once
+            payload = sum(_nbytes(t) for t in _tensors(first))
+            wire = payload if kind != "recv" else 0
+        overlapped = func.namespace == "c10d" and (
+            kind in ("all_gather", "reduce_scatter") or (kind == "all_reduce" and WORLD not in label.split("/"))
+        )
+        record = self.counts.collectives.setdefault((label, kind, overlapped), CollectiveRecord(ranks=ranks))
+        record.calls += 1
+        record.payload_bytes += payload
+        record.wire_bytes += wire
+        if func.namespace != "c10d":  # the model's functional collectives (EP, CP); FSDP2's are c10d ops
+            for tensor in _tensors(out):
+                self._keep_buffer(tensor)
+
+    def _keep_buffer(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage as a live communication buffer until it is freed."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._buffers:
+            return
+        size = storage.nbytes()
+        self.live_buffer_bytes += size
+
+        def freed(key: int = key, size: int = size) -> None:
+            self.live_buffer_bytes -= size
+            self._buffers.pop(key, None)
+
+        self._buffers[key] = weakref.finalize(storage, freed)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if in_sharding_propagation():  # DTensor's global-shape metadata ops: nothing runs (workarounds.fake_world)
+            return func(*args, **(kwargs or {}))
+        if any(t is DTensor for t in types):
+            return NotImplemented  # count the local ops DTensor runs (this rank's shards), as the memory tracker does
+        kwargs = kwargs or {}
+        self.last_op = str(func.overloadpacket)
+        out = func(*args, **kwargs)
+        self.counts.ops += 1
+        self._count(func, args, kwargs, out, self._phase())
+        return out
+
+    def buffer_state(self) -> tuple[int, str]:
+        """(live communication buffer bytes, the current phase): what the memory sampler records at a peak."""
+        return self.live_buffer_bytes, self._phase()
+
+    def _count(self, func: Any, args: Any, kwargs: dict, out: Any, phase: str) -> None:
+        if func in _COLLECTIVES:
+            self._count_collective(func, args, kwargs, out)
+            return
+        if func in _NO_TRAFFIC:
+            return
+        packet = func.overloadpacket
+        flops = 0
+        formula = flop_registry.get(packet)
+        if formula is not None:
+            flops = int(formula(*args, **kwargs, out_val=out))
+            self.counts.flops[phase] += flops
+            self.counts.flops_by_op[str(packet)] += flops
+        elif needs_formula(func):
+            self.counts.without_formula[str(packet)] += 1
+        outputs = _tensors(out)
+        if self.keep_costs and outputs and packet.__name__ not in _FREE_PACKETS:  # no tensor out: metadata only
+            inputs = _tensors((args, kwargs))
+            moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
+            floating = [t for t in inputs if t.is_floating_point()]
+            bits = floating[0].element_size() * 8 if floating else 32
+            if moved or flops:
+                self.counts.costs.append(OpCost(flops, moved, bits, phase, name=packet.__name__))

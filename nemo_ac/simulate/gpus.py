@@ -1,0 +1,123 @@
+"""The GPUs ``nemo-ac plan --gpu`` estimates for: datasheet numbers and the efficiency assumptions applied to them.
+
+Every number is a datasheet figure (sources beside each entry) except the memory, which is the total nvidia-smi
+reports on that GPU (less than the marketing GB: firmware reserves part of it); ``RESERVED_BYTES`` of it are taken
+off for the CUDA context and the allocator. The estimate applies three stated efficiencies instead of pretending a datasheet peak
+is reached: dense matmuls at ``MATMUL_EFFICIENCY`` of the tensor peak, memory-bound ops at ``HBM_EFFICIENCY`` of the
+HBM bandwidth, collectives at ``LINK_EFFICIENCY`` of the link bandwidth (NCCL's bus bandwidth on large messages).
+None of them has been measured by nemo_ac on a GPU yet: ``benchmarks/gpu_check.sh`` prints the plan's estimate
+beside a measured step so they can be checked where a GPU is available.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemo_ac.config.errors import ConfigError, ConfigIssue
+
+MiB = 2**20
+GiB = 2**30
+TERA = 1e12
+GIGA = 1e9
+
+# Fractions of the datasheet peaks a well-tuned step reaches (assumptions, printed with every estimate).
+MATMUL_EFFICIENCY = 0.75  # large bf16 GEMMs on Hopper reach ~70-80% of the dense tensor peak
+HBM_EFFICIENCY = 0.85  # streaming elementwise kernels reach ~80-90% of HBM bandwidth
+LINK_EFFICIENCY = 0.80  # NCCL bus bandwidth over NVLink / InfiniBand on messages of several MiB
+COLLECTIVE_LATENCY_S = 20e-6  # per collective call: launch + synchronization, NVLink or InfiniBand alike
+# The CUDA context, cuBLAS / NCCL workspaces and the caching allocator's fragmentation: memory a step cannot use.
+RESERVED_BYTES = 3 * GiB
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU model and its node: 8 GPUs per node over NVLink, one InfiniBand NIC per GPU across nodes."""
+
+    name: str
+    label: str
+    memory_bytes: int  # the total nvidia-smi reports (what torch.cuda sees before the CUDA context)
+    bf16_flops: float  # dense tensor-core peak (bf16 / fp16)
+    tf32_flops: float  # dense tensor-core peak in tf32 (fp32 matmuls when allow_tf32)
+    fp32_flops: float  # non-tensor fp32 peak (fp32 matmuls as torch runs them by default)
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float  # per direction, per GPU
+    network_bytes_per_s: float  # per direction, per GPU (one NIC each)
+    gpus_per_node: int = 8
+    source: str = ""
+
+    def matmul_flops(self, dtype_bits: int, *, tf32: bool = False) -> float:
+        """Peak FLOP/s of a matmul whose inputs have ``dtype_bits`` bits (16: bf16/fp16, 32: fp32)."""
+        if dtype_bits <= 16:
+            return self.bf16_flops
+        return self.tf32_flops if tf32 else self.fp32_flops
+
+
+GPUS: dict[str, GpuSpec] = {
+    "h100-80gb": GpuSpec(
+        name="h100-80gb",
+        label="H100 SXM5 80GB",
+        memory_bytes=81_559 * MiB,  # 79.6 GiB
+        bf16_flops=989.4 * TERA,
+        tf32_flops=494.7 * TERA,
+        fp32_flops=66.9 * TERA,
+        hbm_bytes_per_s=3.35e12,
+        nvlink_bytes_per_s=450 * GIGA,  # NVLink 4: 900 GB/s bidirectional
+        network_bytes_per_s=50 * GIGA,  # ConnectX-7 NDR 400 Gb/s per GPU
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5); DGX H100 user guide (8x ConnectX-7 400 Gb/s)",
+    ),
+    "h200-141gb": GpuSpec(
+        name="h200-141gb",
+        label="H200 SXM 141GB",
+        memory_bytes=143_771 * MiB,  # 140.4 GiB
+        bf16_flops=989.4 * TERA,
+        tf32_flops=494.7 * TERA,
+        fp32_flops=66.9 * TERA,
+        hbm_bytes_per_s=4.8e12,
+        nvlink_bytes_per_s=450 * GIGA,
+        network_bytes_per_s=50 * GIGA,
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM); DGX H200 user guide (8x ConnectX-7 400 Gb/s)",
+    ),
+    "b200-180gb": GpuSpec(
+        name="b200-180gb",
+        label="B200 180GB",
+        memory_bytes=183_359 * MiB,  # 179.1 GiB
+        bf16_flops=2250 * TERA,
+        tf32_flops=1125 * TERA,
+        fp32_flops=75 * TERA,
+        hbm_bytes_per_s=8.0e12,
+        nvlink_bytes_per_s=900 * GIGA,  # NVLink 5: 1.8 TB/s bidirectional
+        network_bytes_per_s=50 * GIGA,  # DGX B200: 8x ConnectX-7 400 Gb/s
+        source="NVIDIA HGX B200 datasheet (per GPU, sparsity halved); DGX B200 user guide",
+    ),
+    "a100-80gb": GpuSpec(
+        name="a100-80gb",
+        label="A100 SXM4 80GB",
+        memory_bytes=81_920 * MiB,  # 80.0 GiB
+        bf16_flops=312 * TERA,
+        tf32_flops=156 * TERA,
+        fp32_flops=19.5 * TERA,
+        hbm_bytes_per_s=2.039e12,
+        nvlink_bytes_per_s=300 * GIGA,  # NVLink 3: 600 GB/s bidirectional
+        network_bytes_per_s=25 * GIGA,  # DGX A100: 8x ConnectX-6 HDR 200 Gb/s
+        source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); DGX A100 user guide",
+    ),
+}
+
+
+def gpu_spec(name: str, *, key: str = "--gpu") -> GpuSpec:
+    """The spec called ``name`` (case-insensitive); a ``ConfigError`` naming the known ones otherwise."""
+    spec = GPUS.get(name.strip().lower())
+    if spec is None:
+        raise ConfigError(ConfigIssue(key, f"unknown GPU {name!r}; use one of {', '.join(GPUS)}"))
+    return spec
+
+
+def assumptions_line(spec: GpuSpec) -> str:
+    return (
+        f"{spec.label}: {spec.bf16_flops / TERA:,.0f} TFLOP/s bf16 dense x {MATMUL_EFFICIENCY:.0%}, "
+        f"HBM {spec.hbm_bytes_per_s / 1e12:.2f} TB/s x {HBM_EFFICIENCY:.0%}, NVLink "
+        f"{spec.nvlink_bytes_per_s / GIGA:,.0f} GB/s and network {spec.network_bytes_per_s / GIGA:,.0f} GB/s per "
+        f"GPU per direction x {LINK_EFFICIENCY:.0%}, {spec.gpus_per_node} GPUs per node, "
+        f"{COLLECTIVE_LATENCY_S * 1e6:.0f} us per collective, {RESERVED_BYTES / GiB:.0f} GiB reserved "
+        "(CUDA context, workspaces, fragmentation)"
+    )

@@ -1,0 +1,132 @@
+"""Per-rank memory of a step: torch's ``FSDPMemTracker`` for the peak and its breakdown, plus what it cannot see.
+
+``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``) follows every storage an op creates, by category
+(sharded / unsharded parameters, gradients, optimizer state, FSDP's all-gather and reduce-scatter buffers,
+activations, backward temporaries, inputs) and keeps the peak and its breakdown; it works on real and fake tensors
+alike. Two things are added here:
+
+- it refuses a module called twice per iteration (gradient accumulation); ``after_micro_batch`` clears its
+  per-module statistics after each micro batch, which keeps the global peak (all this report reads);
+- EP all-to-all and CP collective outputs are activations or temporaries to it: ``StepCounter`` keeps their live
+  bytes, sampled here whenever the tracker's total reaches a new peak, and reported as "of which".
+
+Not seen by any tracker and added by hand when present (``HandAdded``): DeepEP's communication buffers, allocated
+by deep_ep outside torch's allocator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+# FSDPMemTracker's categories (their printed names) -> the report's terms.
+TERMS: dict[str, str] = {
+    "Sharded Param": "parameters",
+    "Buffer": "parameters",
+    "Unsharded Param": "gathered parameters",
+    "All Gather": "all-gather buffers",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Reduce Scatter": "reduce-scatter buffers",
+    "OptState": "optimizer states",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Inputs": "inputs",
+}
+
+
+@dataclass(frozen=True)
+class HandAdded:
+    term: str
+    bytes: int
+    why: str
+
+
+@dataclass
+class PeakMemory:
+    """The peak of the tracked device and what it was made of."""
+
+    peak_bytes: int = 0
+    terms: dict[str, int] = field(default_factory=dict)
+    comm_bytes_at_peak: int = 0  # EP / CP collective outputs alive at the peak (inside activations / temporaries)
+    phase_at_peak: str = ""
+    hand_added: list[HandAdded] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_bytes + sum(h.bytes for h in self.hand_added)
+
+    def largest_terms(self, count: int = 3) -> list[tuple[str, int]]:
+        terms = dict(self.terms)
+        for extra in self.hand_added:
+            terms[extra.term] = terms.get(extra.term, 0) + extra.bytes
+        return sorted(terms.items(), key=lambda kv: -kv[1])[:count]
+
+
+def _device_totals(snapshot: dict[Any, dict[Any, int]], device_type: str) -> dict[str, int]:
+    """One device type's snapshot as {category name: bytes} (offloaded copies live on another device: not here)."""
+    out: dict[str, int] = {}
+    for device, categories in snapshot.items():
+        if torch.device(device).type != device_type:
+            continue
+        for key, value in categories.items():
+            name = getattr(key, "value", key)
+            out[str(name)] = out.get(str(name), 0) + int(value)
+    return out
+
+
+class PeakSampler:
+    """Owns the tracker (torch's, keeping only its global peak: ``workarounds.mem_tracker_global_peak``) and records
+    the breakdown at each new peak, with the live communication buffers and the phase ``context()`` reports then."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        device_type: str,
+        context: Callable[[], tuple[int, str]] = lambda: (0, ""),
+    ) -> None:
+        from nemo_ac.workarounds.mem_tracker_global_peak import GlobalPeakFSDPMemTracker
+
+        self.tracker = GlobalPeakFSDPMemTracker(model, optimizer, on_new_peak=self._on_new_peak)
+        self.device_type = device_type
+        self.context = context
+        self.peak = PeakMemory()
+
+    def __enter__(self) -> PeakSampler:
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tracker.__exit__(*exc)
+
+    def track_inputs(self, inputs: tuple[Any, ...]) -> None:
+        self.tracker.track_inputs(inputs)
+
+    def after_micro_batch(self) -> None:
+        self.tracker.reset_mod_stats()
+
+    def _on_new_peak(self, snapshot: dict[Any, dict[Any, int]]) -> None:
+        current = _device_totals(snapshot, self.device_type)
+        total = current.get("Total", 0)
+        if total <= self.peak.peak_bytes:
+            return
+        comm_bytes, phase = self.context()
+        terms: dict[str, int] = {}
+        for name, value in current.items():
+            if name != "Total":
+                term = TERMS.get(name, name)
+                terms[term] = terms.get(term, 0) + value
+        self.peak.peak_bytes = total
+        self.peak.terms = terms
+        self.peak.comm_bytes_at_peak = comm_bytes
+        self.peak.phase_at_peak = phase
+
+    def tracker_peak_bytes(self) -> int:
+        """The tracker's own peak (equal to ``peak.peak_bytes``: both see every op)."""
+        return _device_totals(self.tracker.get_tracker_snapshot("peak"), self.device_type).get("Total", 0)

@@ -1,0 +1,272 @@
+"""A full-size dry run: one rank of a recipe's real layout, in one CPU process, weights never materialized.
+
+recipe -> validate at the world size -> the plan for the recipe's device (what ``nemo-ac train`` on the cluster
+would print) -> a fake process group at the world size -> meshes -> the model on meta, parallelized by the same
+``parallelize`` (EP, CP, AC, FSDP2 units) -> parameters as fake tensors -> ``steps`` training steps of the trainer's
+own code under FakeTensorMode, counted by ``StepCounter`` and torch's ``FSDPMemTracker``.
+
+What cannot run here is replaced, and every replacement is listed in the report (``Simulation.stand_ins``): the
+device is the CPU (fake tensors have no GPU memory either way; FSDP2's CUDA streams need a GPU), so kernels that
+need CUDA run as their CPU counterparts of the same work (FlexAttention -> the tiled op, both visible pairs only;
+Transformer Engine -> torch modules; DeepEP -> the all-to-all dispatcher under the same routing assumption;
+fla / mamba-ssm -> the torch ops); torch.compile is not applied (the eager op stream is counted). Data-dependent
+sizes come from stated assumptions (``RoutingAssumption``, ``DataAssumption``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.config.schema import RecipeConfig
+from nemo_ac.config.validate import ParallelLayout
+from nemo_ac.data.batch import PackedBatch
+from nemo_ac.distributed.mesh import ParallelMeshes
+from nemo_ac.distributed.plan import ParallelPlan
+from nemo_ac.models.freeze import freeze
+from nemo_ac.simulate.counters import WORLD, StepCounter
+from nemo_ac.simulate.inputs import DataAssumption, reads_offline, recipe_batches, standin_micro_batches
+from nemo_ac.simulate.memory import HandAdded, PeakSampler
+from nemo_ac.simulate.routing import RoutingAssumption, install_assumed_routing
+from nemo_ac.simulate.step import StepMeasurement, measure_step, start_like_a_later_step
+from nemo_ac.trainer.batching import make_batch_preparer
+from nemo_ac.trainer.build import TrainingSetup, build_parallel_model, build_trainer, choose_kernels, plan_recipe
+from nemo_ac.trainer.loop import count_tokens
+from nemo_ac.trainer.optim import build_optimizer, build_scheduler
+from nemo_ac.workarounds.fake_world import (
+    RealWhereAllReal,
+    dtensor_propagation_marked,
+    fake_process_group,
+    fake_tensor_mode,
+)
+
+# DeepEP's NVLink + RDMA buffers (deep_ep.Buffer, outside torch's allocator): DeepEP's tests size them at ~1 GB each
+# for hidden 7168 in bf16; added by hand, as an assumption, when the recipe's dispatcher is deepep.
+DEEPEP_BUFFER_BYTES = 2 * 2**30
+
+
+class SimulationError(RuntimeError):
+    """The dry run could not run the step; the message names the op or module and the reason in one line."""
+
+
+@dataclass(frozen=True)
+class SimulationOptions:
+    world_size: int
+    routing: RoutingAssumption = field(default_factory=RoutingAssumption)
+    data: DataAssumption = field(default_factory=DataAssumption)
+    micro_batch_limit: int | None = 1  # run at most this many micro batches of the step (None: all)
+    rank: int = 0
+
+
+@dataclass
+class Simulation:
+    recipe: RecipeConfig
+    layout: ParallelLayout
+    plan: ParallelPlan  # the plan for the recipe's own device
+    device_type: str  # the recipe's device ("cuda" for the flagships)
+    measurement: StepMeasurement
+    stand_ins: list[str] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+    tokens_per_step: int = 0  # global tokens of one step
+    wall_s: float = 0.0
+    peak_rss_bytes: int = 0
+
+
+def target_device_type(recipe: RecipeConfig) -> str:
+    """The device the plan is for: cpu only when the recipe says so (``dist.device: cpu``, or ``auto`` with gloo,
+    which resolves to cpu); a GPU otherwise, whatever this machine has."""
+    if recipe.dist.device == "cpu" or (recipe.dist.device == "auto" and recipe.dist.backend == "gloo"):
+        return "cpu"
+    return "cuda"
+
+
+# backend.<key> -> (the GPU kernel ``auto`` takes on a CUDA node that has it, the model family that has the mixer).
+_GPU_MIXER_KERNELS = {"linear_attention": ("fla", "qwen3_5_moe"), "mamba": ("mamba_ssm", "nemotron_h")}
+
+
+def with_gpu_kernels(
+    recipe: RecipeConfig, layout: ParallelLayout, *, device_type: str
+) -> tuple[RecipeConfig, list[str]]:
+    """``auto`` mixer kernels as a CUDA node with nemo_ac's optional GPU kernels installed resolves them (fla for
+    Gated DeltaNet, mamba-ssm for Mamba-2; the torch op under ring CP), and the assumption said when one applies.
+    Their custom ops run in the dry run through their fake implementations: no kernel package is needed here."""
+    if device_type != "cuda" or (layout.cp > 1 and recipe.parallel.cp_type == "ring"):
+        return recipe, []
+    changes: dict[str, str] = {}
+    for key, (kernel, family) in _GPU_MIXER_KERNELS.items():
+        if getattr(recipe.backend, key) == "auto" and recipe.model.family == family:
+            changes[key] = kernel
+    if not changes:
+        return recipe, []
+    named = ", ".join(f"backend.{key} auto -> {kernel}" for key, kernel in changes.items())
+    note = f"{named}, as on a CUDA node with the kernel installed (set backend.<key>=torch to plan without)"
+    return dataclasses.replace(recipe, backend=dataclasses.replace(recipe.backend, **changes)), [note]
+
+
+def simulation_recipe(recipe: RecipeConfig, *, device_type: str) -> tuple[RecipeConfig, list[str]]:
+    """The recipe the dry run executes on the CPU, and every stand-in it took (``recipe``: kernels resolved for
+    ``device_type``)."""
+    stand_ins: list[str] = []
+    backend = recipe.backend
+    attention = backend.attention
+    if attention in ("flex", "te"):
+        stand_ins.append(f"attention {attention} -> tiled (the same visible pairs; flex and te need CUDA)")
+        attention = "tiled"
+    if backend.linear == "te" or backend.rms_norm == "te":
+        stand_ins.append("Transformer Engine linear / RMSNorm -> torch modules (the same GEMMs and norms)")
+    if backend.dispatcher == "deepep":
+        stand_ins.append(
+            "DeepEP dispatch / combine -> the all-to-all dispatcher under the same routing assumption (the same rows "
+            f"moved; DeepEP's own buffers added by hand: {DEEPEP_BUFFER_BYTES / 2**30:.0f} GiB)"
+        )
+    if device_type != "cpu":
+        stand_ins.append(f"device {device_type} -> cpu (fake tensors: no memory either way)")
+    if recipe.compile.enabled:
+        stand_ins.append("torch.compile not applied: the eager op stream is counted (compile fuses elementwise ops)")
+    sim_backend = dataclasses.replace(
+        backend,
+        attention=attention,
+        linear="torch",
+        rms_norm="torch",
+        dispatcher="torch",
+    )
+    sim = dataclasses.replace(
+        recipe,
+        backend=sim_backend,
+        compile=dataclasses.replace(recipe.compile, enabled=False),
+        dist=dataclasses.replace(recipe.dist, device="cpu", backend="gloo"),
+    )
+    return sim, stand_ins
+
+
+def mesh_group_labels(meshes: ParallelMeshes) -> dict[str, str]:
+    """Process group name -> the mesh dimension(s) it is (dimensions over the same ranks share a group: joined)."""
+    named: dict[str, list[str]] = {}
+
+    def add(group: torch.distributed.ProcessGroup, label: str) -> None:
+        labels = named.setdefault(group.group_name, [])
+        if label not in labels:
+            labels.append(label)
+
+    world = meshes.world
+    for dim in world.mesh_dim_names or ():
+        add(world.get_group(dim), dim)
+    add(meshes.dp.get_group(), "dp")
+    if meshes.cp is not None:
+        add(meshes.cp.get_group(), "cp")
+    if meshes.experts is not None:
+        for dim in ("ep_shard", "ep"):
+            add(meshes.experts.get_group(dim), dim)
+    add(torch.distributed.group.WORLD, WORLD)
+    return {name: "/".join(labels) for name, labels in named.items()}
+
+
+def _materialize_fake(model: nn.Module, mode: object) -> None:
+    """Parameters and buffers as fake tensors on the CPU (the layout ``to_empty`` gives; no values)."""
+    with mode:  # type: ignore[attr-defined]
+        model.to_empty(device="cpu")
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        tie()
+
+
+def _micro_batches(
+    recipe: RecipeConfig, meshes: ParallelMeshes, options: SimulationOptions
+) -> tuple[list[PackedBatch], str | None]:
+    """This rank's micro batches of the first step (real tensors), and the data assumption when stand-ins were
+    used (micro batches past the limit repeat the last one built: they are counted, not run)."""
+    if reads_offline(recipe):
+        source = recipe_batches(recipe, dp_rank=meshes.dp_rank, dp_size=meshes.dp_size)
+        return list(source.batches_for_step(0)), None  # type: ignore[attr-defined]
+    per_step = recipe.train.global_batch_size // (recipe.train.micro_batch_size * meshes.dp_size)
+    built = min(per_step, options.micro_batch_limit or per_step)
+    batches = standin_micro_batches(recipe, assumption=options.data, count=built)
+    return batches + batches[-1:] * (per_step - built), options.data.describe(recipe)
+
+
+def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOptions) -> Simulation:
+    """The dry run of ``recipe`` at ``layout`` (module docstring). Raises ``SimulationError`` naming what failed."""
+    started = time.perf_counter()
+    device_type = target_device_type(recipe)
+    recipe, kernel_notes = with_gpu_kernels(recipe, layout, device_type=device_type)
+    plan = plan_recipe(recipe, layout, device_type=device_type)
+    target, _ = choose_kernels(recipe, device=torch.device(device_type))
+    sim_recipe, stand_ins = simulation_recipe(target, device_type=device_type)
+    if layout.ep > 1:
+        options.routing.check(num_experts=recipe.model.moe.num_experts, top_k=recipe.model.moe.num_experts_per_tok)
+    assumptions = ([options.routing.describe()] if layout.ep > 1 else []) + kernel_notes
+    if not 0 <= options.rank < layout.world_size:
+        raise ConfigError(ConfigIssue("--rank", f"{options.rank} is outside the world of {layout.world_size} ranks"))
+    with fake_process_group(rank=options.rank, world_size=layout.world_size):
+        model, meshes, applied = build_parallel_model(sim_recipe, layout, device=torch.device("cpu"))
+        if applied.applied is not None and applied.applied.offloader is not None:
+            applied.applied.offloader.accounting_host = "meta"  # offloaded copies leave the device's accounting
+        if meshes.ep_mesh is not None:
+            install_assumed_routing(model, assumption=options.routing, ep_rank=meshes.ep_mesh.get_local_rank())
+        fake = fake_tensor_mode()
+        _materialize_fake(model, fake)
+        switches = dataclasses.asdict(sim_recipe.train.freeze)
+        frozen = freeze(model, **switches) if any(switches.values()) else {}
+        optimizer = build_optimizer(model, sim_recipe.train, extensions=sim_recipe.extensions.allow)
+        scheduler = build_scheduler(optimizer, sim_recipe.train, extensions=sim_recipe.extensions.allow)
+        batches, data_assumption = _micro_batches(sim_recipe, meshes, options)
+        if data_assumption:
+            assumptions.append(data_assumption)
+        setup = TrainingSetup(
+            recipe=sim_recipe, layout=layout, meshes=meshes, device=torch.device("cpu"), model=model,
+            optimizer=optimizer, scheduler=scheduler, data=None, weights="fake", frozen=frozen, plan=plan,
+        )  # fmt: skip
+        from nemo_ac.trainer.build import quiet_logger
+
+        trainer = build_trainer(setup, logger=quiet_logger(sim_recipe))
+        preparer = make_batch_preparer(cp=layout.cp, cp_rank=meshes.cp_rank, cp_type=sim_recipe.parallel.cp_type)
+        prepared = [preparer(batch) for batch in batches]
+        # The loss divisor: every dp x cp rank holds as many label tokens (a scalar: no shape depends on it).
+        global_tokens = count_tokens(prepared)[0] * layout.dp * layout.cp
+        hold_gradients = len(prepared) > 1 and not trainer.options.reduce_grads_on_last_micro_batch_only
+        limit = options.micro_batch_limit if hold_gradients else None
+        with fake:
+            start_like_a_later_step(trainer, hold_gradients=hold_gradients)
+        counter = StepCounter(group_labels=mesh_group_labels(meshes))
+        sampler = PeakSampler(model, optimizer, device_type="cpu", context=counter.buffer_state)
+        try:
+            with dtensor_propagation_marked(), fake, RealWhereAllReal(), sampler, counter:
+                measurement = measure_step(
+                    trainer,
+                    prepared,
+                    global_tokens=global_tokens,
+                    counter=counter,
+                    sampler=sampler,
+                    micro_batch_limit=limit,
+                )
+        except (RuntimeError, NotImplementedError, TypeError, ValueError, AssertionError) as exc:
+            first = " ".join(str(exc).split())[:400]
+            raise SimulationError(
+                f"the fake step failed after {counter.counts.ops} ops, in {counter.last_op}: {type(exc).__name__}: "
+                f"{first}"
+            ) from exc
+    if recipe.backend.dispatcher == "deepep" and layout.ep > 1:
+        measurement.peak.hand_added.append(
+            HandAdded("DeepEP buffers", DEEPEP_BUFFER_BYTES, "deep_ep.Buffer NVLink + RDMA buffers (assumed size)")
+        )
+    tokens = recipe.train.global_batch_size * (
+        recipe.data.max_length if recipe.data.kind == "medpix" else recipe.data.seq_len
+    )
+    return Simulation(
+        recipe=recipe,
+        layout=layout,
+        plan=plan,
+        device_type=device_type,
+        measurement=measurement,
+        stand_ins=stand_ins,
+        assumptions=assumptions,
+        tokens_per_step=tokens,
+        wall_s=time.perf_counter() - started,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )

@@ -1,0 +1,120 @@
+"""A dry run at real width but reduced depth, scaled to the real depth: ``nemo-ac plan --depth scaled``.
+
+A model's blocks come in a few kinds (nemotron_h: Mamba-2, MoE, attention, dense; qwen3_5_moe: Gated DeltaNet and
+attention, each with MoE, plus vision blocks; glm4_moe / qwen3_moe: dense first layers, then MoE). The base run
+keeps one block of each kind, in the order they first appear; one more run per kind adds a second block of it.
+Every counted quantity (each memory term at the peak, FLOPs per phase, collective calls and bytes, each op of the
+roofline) is then ``base + sum_k (n_k - 1) * (run_k - base)``: exact for what grows block by block (parameters,
+gradients, optimizer states, FLOPs, bytes), an approximation for the peak when where it falls moves with depth.
+The report says the numbers are scaled and from how many blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+
+from nemo_ac.config.schema import ModelConfig, RecipeConfig
+from nemo_ac.config.validate import ParallelLayout
+from nemo_ac.simulate.memory import PeakMemory
+from nemo_ac.simulate.run import Simulation, SimulationOptions, simulate
+from nemo_ac.simulate.step import StepMeasurement, combine
+
+VISION = "vision block"
+
+
+def block_kinds(model: ModelConfig) -> tuple[list[str], Counter[str]]:
+    """The decoder's block kinds in order of first appearance, and how many blocks each has (vision included)."""
+    if model.layer_pattern:
+        order = list(dict.fromkeys(model.layer_pattern))
+        counts = Counter(model.layer_pattern)
+    elif 0 < model.first_k_dense_replace < model.num_layers:
+        order = ["dense", "moe"]
+        counts = Counter({"dense": model.first_k_dense_replace, "moe": model.num_layers - model.first_k_dense_replace})
+    else:
+        order = ["block"]
+        counts = Counter({"block": model.num_layers})
+    if model.vision.depth > 0:
+        order.append(VISION)
+        counts[VISION] = model.vision.depth
+    return order, counts
+
+
+def with_blocks(model: ModelConfig, kinds: list[str]) -> ModelConfig:
+    """``model`` with the decoder blocks ``kinds`` (in this order; ``VISION`` entries set the vision depth)."""
+    vision = sum(1 for kind in kinds if kind == VISION)
+    decoder = [kind for kind in kinds if kind != VISION]
+    changes: dict[str, object] = {"num_layers": len(decoder)}
+    if model.layer_pattern:
+        changes["layer_pattern"] = "".join(decoder)
+    elif "dense" in decoder:
+        changes["first_k_dense_replace"] = decoder.count("dense")
+        decoder.sort(key=lambda kind: kind != "dense")  # dense layers come first
+    if model.vision.depth > 0:
+        changes["vision"] = dataclasses.replace(model.vision, depth=max(vision, 1))
+    return dataclasses.replace(model, **changes)
+
+
+def _scale_peak(base: PeakMemory, extra: list[tuple[PeakMemory, int]]) -> PeakMemory:
+    terms = dict(base.terms)
+    peak = base.peak_bytes
+    comm = base.comm_bytes_at_peak
+    for run, times in extra:
+        peak += times * (run.peak_bytes - base.peak_bytes)
+        comm += times * (run.comm_bytes_at_peak - base.comm_bytes_at_peak)
+        for term in set(terms) | set(run.terms):
+            terms[term] = terms.get(term, 0) + times * (run.terms.get(term, 0) - base.terms.get(term, 0))
+    return PeakMemory(
+        peak_bytes=peak,
+        terms={k: max(v, 0) for k, v in terms.items()},
+        comm_bytes_at_peak=max(comm, 0),
+        phase_at_peak=base.phase_at_peak,
+        hand_added=list(base.hand_added),
+    )
+
+
+def simulate_scaled(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOptions) -> Simulation:
+    """The dry run from one block of each kind (module docstring)."""
+    started = time.perf_counter()
+    order, counts = block_kinds(recipe.model)
+    base_recipe = dataclasses.replace(recipe, model=with_blocks(recipe.model, order))
+    base = simulate(base_recipe, layout, options)
+    runs: list[tuple[Simulation, int]] = []
+    for kind in order:
+        if counts[kind] > 1:
+            more = dataclasses.replace(recipe, model=with_blocks(recipe.model, [*order, kind]))
+            runs.append((simulate(more, layout, options), counts[kind] - 1))
+    b = base.measurement
+    parts = [(b.counts, 1 - sum(times for _, times in runs))]
+    parts += [(run.measurement.counts, times) for run, times in runs]
+    measurement = StepMeasurement(
+        counts=combine(parts),
+        peak=_scale_peak(b.peak, [(run.measurement.peak, times) for run, times in runs]),
+        micro_batches_run=b.micro_batches_run,
+        micro_batches_per_step=b.micro_batches_per_step,
+    )
+    described = ", ".join(f"{counts[kind]} x {kind}" for kind in order)
+    full = simulate_plan_only(recipe, layout)
+    return dataclasses.replace(
+        base,
+        recipe=recipe,
+        plan=full,
+        measurement=measurement,
+        assumptions=[
+            *base.assumptions,
+            f"depth scaled: {1 + len(runs)} dry runs of {len(order)}-{len(order) + 1} blocks at real width, scaled to "
+            f"{described} (exact for parameters, gradients, optimizer states, FLOPs and bytes; the peak's activations "
+            "extrapolated per block)",
+        ],
+        wall_s=time.perf_counter() - started,
+        peak_rss_bytes=max([base.peak_rss_bytes, *(run.peak_rss_bytes for run, _ in runs)]),
+    )
+
+
+def simulate_plan_only(recipe: RecipeConfig, layout: ParallelLayout):  # type: ignore[no-untyped-def]
+    """The full-depth plan the report prints (decided on the model on meta; cheap)."""
+    from nemo_ac.simulate.run import target_device_type
+    from nemo_ac.trainer.build import plan_recipe
+
+    return plan_recipe(recipe, layout, device_type=target_device_type(recipe))

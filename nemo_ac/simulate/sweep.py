@@ -1,0 +1,115 @@
+"""``nemo-ac plan RECIPE --sweep``: the recipe's layout and its neighbours at the same world size, dry-run and ranked.
+
+A neighbour changes one choice of the recipe: expert parallel halved or doubled, context parallel halved or doubled
+(each CP type that validates), the other CP type, full instead of selective activation checkpointing (or selective
+instead of full), the micro batch halved or doubled. Each candidate that validates is dry-run with ``--depth
+scaled`` (one block of each kind, scaled: minutes for the whole sweep, not hours) and kept when its estimated peak
+fits every GPU asked for; the rest are listed with the reason. The ranking key is the estimated step time on the
+first GPU (eager bound): an estimate, as every number of the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from nemo_ac.config.errors import ConfigError
+from nemo_ac.config.schema import RecipeConfig
+from nemo_ac.config.validate import validate_recipe
+from nemo_ac.simulate.gpus import GpuSpec
+from nemo_ac.simulate.report import PlanReport
+from nemo_ac.simulate.run import SimulationError, SimulationOptions
+from nemo_ac.simulate.scaled import simulate_scaled
+
+
+@dataclass
+class Candidate:
+    label: str
+    recipe: RecipeConfig
+    own: bool = False
+    report: PlanReport | None = None
+    rejected: str = ""
+
+
+def _with(recipe: RecipeConfig, **changes: object) -> RecipeConfig:
+    parallel = {k: v for k, v in changes.items() if k in ("ep", "cp", "cp_type")}
+    out = dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, dp_shard=-1, **parallel))
+    if "ac" in changes:
+        ac = dataclasses.replace(out.activation_checkpointing, mode=changes["ac"])
+        if changes["ac"] == "selective":
+            ac = dataclasses.replace(ac, offload=False)
+        out = dataclasses.replace(out, activation_checkpointing=ac)
+    if "mb" in changes:
+        out = dataclasses.replace(out, train=dataclasses.replace(out.train, micro_batch_size=changes["mb"]))
+    return out
+
+
+def neighbours(recipe: RecipeConfig) -> list[Candidate]:
+    """The recipe itself, then each one-choice change of it."""
+    par, ac, mb = recipe.parallel, recipe.activation_checkpointing.mode, recipe.train.micro_batch_size
+    out = [Candidate(f"ep {par.ep} cp {par.cp} {par.cp_type} AC {ac} mb {mb} (the recipe)", recipe, own=True)]
+
+    def add(label: str, **changes: object) -> None:
+        out.append(Candidate(label, _with(recipe, **changes)))
+
+    if recipe.model.moe.num_experts > 1 and par.ep > 1:
+        add(f"ep {par.ep // 2}", ep=par.ep // 2)
+    if recipe.model.moe.num_experts >= 2 * par.ep:
+        add(f"ep {par.ep * 2}", ep=par.ep * 2)
+    for cp in (par.cp // 2, par.cp * 2):
+        if cp >= 1 and cp != par.cp:
+            for kind in ("ulysses", "ring") if cp > 1 else (par.cp_type,):
+                add(f"cp {cp}" + (f" {kind}" if cp > 1 else ""), cp=cp, cp_type=kind)
+    if par.cp > 1:
+        other = "ring" if par.cp_type == "ulysses" else "ulysses"
+        add(f"cp {par.cp} {other}", cp_type=other)
+    if ac in ("selective", "full"):
+        add(f"AC {'full' if ac == 'selective' else 'selective'}", ac="full" if ac == "selective" else "selective")
+    if mb > 1:
+        add(f"mb {mb // 2}", mb=mb // 2)
+    add(f"mb {mb * 2}", mb=mb * 2)
+    return out
+
+
+def run_sweep(args: argparse.Namespace, *, gpus: list[GpuSpec], options: SimulationOptions) -> int:
+    from nemo_ac.simulate.cli import dry_run
+
+    try:
+        base = dry_run(args.recipe, args.overrides, world_size=args.world_size, options=options, depth="scaled")
+    except (ConfigError, SimulationError) as exc:
+        print(f"nemo-ac plan: {exc}")
+        return 2
+    world = base.layout.world_size
+    candidates = neighbours(base.recipe)
+    for candidate in candidates:
+        try:
+            layout = validate_recipe(candidate.recipe, world_size=world)
+            simulation = base if candidate.own else simulate_scaled(candidate.recipe, layout, options)
+            candidate.report = PlanReport.build(simulation, gpus)
+        except ConfigError as exc:
+            candidate.rejected = "invalid: " + " ".join(str(exc).split())[:160]
+        except SimulationError as exc:
+            candidate.rejected = "dry run failed: " + str(exc)[:160]
+    print(f"sweep | {base.recipe.name} at world size {world}, estimates on {gpus[0].name} (depth scaled, eager bound)")
+    fitting = [c for c in candidates if c.report and all(f.fits for f in c.report.fits)]
+    fitting.sort(key=lambda c: c.report.estimates[0].step_s)  # type: ignore[union-attr]
+    for rank, c in enumerate(fitting, 1):
+        e, f = c.report.estimates[0], c.report.fits[0]  # type: ignore[union-attr]
+        print(
+            f"sweep | {rank:2d}. {c.label:<46} step {e.step_s:8.2f} s  MFU {e.mfu:5.1%}  peak "
+            f"{f.peak_bytes / 2**30:6.1f} GiB" + ("  <- the recipe" if c.own else "")
+        )
+    for c in candidates:
+        if c in fitting:
+            continue
+        why = c.rejected
+        if not why and c.report is not None:
+            over = [
+                f"{f.gpu} {f.peak_bytes / 2**30:,.1f} GiB > {f.usable_bytes / 2**30:,.1f}"
+                for f in c.report.fits
+                if not f.fits
+            ]
+            why = "does not fit: " + ", ".join(over)
+        print(f"sweep |  -  {c.label:<46} {why}" + ("  <- the recipe" if c.own else ""))
+    return 0
