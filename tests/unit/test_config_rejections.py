@@ -745,6 +745,8 @@ CONVERSIONS = [
     (["train.optimizer=adam"], r"train.optimizer: expected a mapping, got 'adam'"),
     (["model.moe=3"], r"model.moe: expected a mapping \(section\), got 3"),
     (["train.steps"], r"train.steps: override must look like 'section.key=value'"),
+    (["=3"], r"override '=3' has no key; write section.key=value"),
+    (["+=3"], r"override '\+=3' has no key; write section.key=value"),
     (["train.steps=${nope"], r"cannot apply overrides \['train.steps=\$\{nope'\]"),
     (["train.steps=[1"], r"cannot apply overrides \['train.steps=\[1'\]"),
     (["[=3"], r"cannot apply overrides \['\[=3'\]"),
