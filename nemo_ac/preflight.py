@@ -9,13 +9,16 @@ one ``ConfigError`` (each naming its key and the fix):
 2. the cross-field rules (``config.validate.RULES``) at ``world_size``;
 3. the pretrained checkpoint: its config.json fits the recipe, the family has an HF mapping for a load or an export
    (``config.pretrained.check_pretrained``);
-4. paths: ``checkpoint.resume`` names a complete checkpoint, ``checkpoint.dir`` holds no other run's later steps
+4. data: each local ``data.path`` file exists, is UTF-8, parses (JSONL: every line of its head, named by line
+   number) and holds the columns and usable first rows the recipe names (``config.data_files``; a Hub id is not
+   checked: no network here);
+5. paths: ``checkpoint.resume`` names a complete checkpoint, ``checkpoint.dir`` holds no other run's later steps
    (``trainer.checkpoint_files.check_checkpoint_paths``), and the directories the run writes (run dir, checkpoints,
    HF export) can be created;
-5. with ``check_env`` (always for a run, ``--check-env`` for validate): the optional extras, CUDA, DeepEP and the
+6. with ``check_env`` (always for a run, ``--check-env`` for validate): the optional extras, CUDA, DeepEP and the
    torch.compile backend the recipe names (``config.environment``).
 
-Nothing here starts a process group or builds a model; only step 5 imports torch.
+Nothing here starts a process group or builds a model; only step 6 imports torch.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nemo_ac.config import ConfigError, ConfigIssue, RecipeConfig, check_environment, load_recipe, validate_recipe
+from nemo_ac.config.data_files import check_data_files
 from nemo_ac.config.pretrained import check_pretrained
 from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.trainer.checkpoint_files import check_checkpoint_paths
@@ -103,6 +107,7 @@ def preflight(
     recipe = load_recipe(recipe_path, overrides, notes=notes)
     layout = validate_recipe(recipe, world_size=world_size, source=recipe_path)
     issues = check_pretrained(recipe)
+    issues += check_data_files(recipe, notes)
     issues += check_checkpoint_paths(recipe.checkpoint)
     issues += check_writable_dirs(recipe)
     if check_env:

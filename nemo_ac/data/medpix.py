@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from nemo_ac.config.data_files import TABULAR
 from nemo_ac.config.schema import DataConfig, VisionConfig
 from nemo_ac.data.batch import IGNORE_INDEX, PackedBatch, StepBatches
 from nemo_ac.data.image_processing import ImagePreprocessor
@@ -52,7 +53,6 @@ from nemo_ac.data.medpix_sample import synthetic_medpix_records
 from nemo_ac.distributed.env import once_per_node
 
 _EPOCH_STREAM = 3
-_TABULAR = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 
 
 def load_medpix_dataset(path: str, split: str = "train") -> tuple[Sequence[dict[str, Any]], Path | None]:
@@ -72,9 +72,9 @@ def load_medpix_dataset(path: str, split: str = "train") -> tuple[Sequence[dict[
         loaded = datasets.load_from_disk(str(local))
         return (loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded), local
     if local.is_file():
-        builder = _TABULAR.get(local.suffix)
+        builder = TABULAR.get(local.suffix)
         if builder is None:
-            raise ValueError(f"data.path={path!r}: unsupported file type (use one of {sorted(_TABULAR)})")
+            raise ValueError(f"data.path={path!r}: unsupported file type (use one of {sorted(TABULAR)})")
         return datasets.load_dataset(builder, data_files=str(local), split="train"), local.parent
     if local.is_dir():
         return datasets.load_dataset(str(local), split=split), local
