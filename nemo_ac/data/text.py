@@ -29,6 +29,7 @@ count from 0 in file order). Only a dataset without any usable row fails.
 from __future__ import annotations
 
 import bisect
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -228,19 +229,24 @@ class TextBatches(StepBatches):
                 f"{self.seq_len} is longer than all of {data_cfg.path!r} ({self.total_tokens} tokens); lower it",
             )
         self._epochs: dict[int, tuple[list[int], list[int]]] = {}
+        self._epochs_lock = threading.Lock()  # rows are built in data.num_workers threads too
         self.next_step = 0
+        self._start_workers(data_cfg.num_workers, name="text")
 
     def _epoch(self, epoch: int) -> tuple[list[int], list[int]]:
         """(document order, cumulative token starts) of ``epoch``."""
-        if epoch not in self._epochs:
-            g = torch.Generator().manual_seed(stream_seed(self.seed, epoch, _EPOCH_STREAM))
-            order = torch.randperm(len(self.documents), generator=g).tolist()
-            starts, total = [], 0
-            for index in order:
-                starts.append(total)
-                total += len(self.documents[index].tokens)
-            self._epochs = {epoch: (order, starts)}  # one epoch at a time: rows never go back
-        return self._epochs[epoch]
+        with self._epochs_lock:
+            if epoch not in self._epochs:
+                g = torch.Generator().manual_seed(stream_seed(self.seed, epoch, _EPOCH_STREAM))
+                order = torch.randperm(len(self.documents), generator=g).tolist()
+                starts, total = [], 0
+                for index in order:
+                    starts.append(total)
+                    total += len(self.documents[index].tokens)
+                # Two epochs at a time: the micro batches of one step, built in parallel, may straddle an epoch end.
+                self._epochs = {e: v for e, v in self._epochs.items() if e == epoch - 1}
+                self._epochs[epoch] = (order, starts)
+            return self._epochs[epoch]
 
     def row(self, global_row: int) -> dict[str, torch.Tensor]:
         """Global row ``global_row`` of the run (independent of rank and layout)."""
@@ -266,9 +272,7 @@ class TextBatches(StepBatches):
             d += 1
         return row_tensors(ids=ids, positions=pos, documents=doc, targets=targets)
 
-    def batches_for_step(self, step: int) -> list[PackedBatch]:
-        first_row = step * self.global_batch_size
-        return [
-            stack_rows([self.row(first_row + first + i) for i in range(self.micro_batch_size)])
-            for first in self.global_rows_of_micro_batches()
-        ]
+    def micro_batch(self, step: int, first_row: int) -> PackedBatch:
+        """Rows ``first_row ..`` of ``step`` (``StepBatches`` asks for them, in worker threads with num_workers)."""
+        base = step * self.global_batch_size + first_row
+        return stack_rows([self.row(base + i) for i in range(self.micro_batch_size)])

@@ -13,6 +13,7 @@ import torch
 from nemo_ac.config import ConfigError, load_recipe, validate_recipe
 from nemo_ac.config.schema import DataConfig
 from nemo_ac.data.batch import IGNORE_INDEX
+from nemo_ac.data.loader import SyntheticBatches
 from nemo_ac.data.text import TextBatches
 from nemo_ac.data.tiny_tokenizer import TinyChatTokenizer
 from tests.launch import RECIPES, ROOT
@@ -165,3 +166,45 @@ def test_recipe_validation_before_any_process_group():
     ok = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, path=str(CORPUS)))
     ok = dataclasses.replace(ok, model=dataclasses.replace(ok.model, vocab_size=262))
     validate_recipe(ok, world_size=1)
+
+
+@pytest.mark.parametrize("source", ["text", "synthetic"])
+def test_num_workers_gives_the_batches_of_no_workers_and_resumes(source, tmp_path):
+    """``data.num_workers`` used to be read by MedPix alone (text and synthetic ignored it silently); every source
+    now builds the next step in that many threads (``StepBatches``), with the batches of no workers, across epoch
+    ends (text: 12 rows per epoch, 4 micro batches per step built in parallel) and after a resume."""
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document number {i} is here."}) + "\n" for i in range(30)))
+
+    def make(num_workers: int, dp_rank: int = 1):
+        if source == "text":
+            data = DataConfig(kind="text", path=str(path), seq_len=64, num_workers=num_workers)
+            return TextBatches(
+                data, vocab_size=262, global_batch_size=8, micro_batch_size=1, dp_rank=dp_rank, dp_size=2, seed=3
+            )
+        data = DataConfig(seq_len=40, fixed_length=False, num_workers=num_workers)
+        return SyntheticBatches(
+            data, vocab_size=32, global_batch_size=8, micro_batch_size=1, dp_rank=dp_rank, dp_size=2, seed=3
+        )
+
+    plain, threaded = make(0), make(3)
+    assert threaded._pool is not None and plain._pool is None
+    try:
+        expected = [next(plain) for _ in range(8)]
+        if source == "text":
+            assert plain.rows_per_epoch < 8 * 8 // 2  # the steps cross epoch ends
+        for want, got in zip(expected, [next(threaded) for _ in range(8)]):
+            assert len(got) == len(want) == 4
+            for a, b in zip(want, got):
+                assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("input_ids", "labels", "document_ids"))
+        assert 8 in threaded._prefetched  # step 8 is being built ahead
+        state = threaded.state_dict()
+        resumed = make(2)
+        next(resumed)  # prefetches step 1, which the resume must drop
+        resumed.load_state_dict({"next_step": 5})
+        assert not resumed._prefetched
+        assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(next(resumed), expected[5]))
+        assert state == {"next_step": 8}
+        resumed.close()
+    finally:
+        threaded.close()
