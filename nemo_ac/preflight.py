@@ -8,14 +8,21 @@ one ``ConfigError`` (each naming its key and the fix):
    (``config.load`` / ``config.pretrained``; this is where an unreadable or unavailable config.json fails);
 2. the cross-field rules (``config.validate.RULES``) at ``world_size``;
 3. the pretrained checkpoint: its config.json fits the recipe, the family has an HF mapping for a load or an export
-   (``config.pretrained.check_pretrained``);
-4. paths: ``checkpoint.resume`` names a complete checkpoint, ``checkpoint.dir`` holds no other run's later steps
+   (``config.pretrained.check_pretrained``), and every safetensors header of a local directory reads: 8-byte
+   length, JSON, tensor spans that cover the file (``config.pretrained_files``; kilobytes per file, no tensor);
+4. data: each local ``data.path`` file exists, is UTF-8, parses (JSONL: every line of its head, named by line
+   number) and holds the columns and usable first rows the recipe names (``config.data_files``; a Hub id is not
+   checked: no network here);
+5. paths: ``checkpoint.resume`` names a complete checkpoint, ``checkpoint.dir`` holds no other run's later steps
    (``trainer.checkpoint_files.check_checkpoint_paths``), and the directories the run writes (run dir, checkpoints,
    HF export) can be created;
-5. with ``check_env`` (always for a run, ``--check-env`` for validate): the optional extras, CUDA, DeepEP and the
-   torch.compile backend the recipe names (``config.environment``).
+6. with ``check_env`` (always for a run, ``--check-env`` for validate): the optional extras, CUDA, DeepEP and the
+   torch.compile backend the recipe names (``config.environment``); and every tensor of a local
+   ``model.pretrained``'s headers against the model built on the meta device: missing, unexpected, shape, dtype
+   (``trainer.hf_weights.check_pretrained_tensors``, the loader's own plan).
 
-Nothing here starts a process group or builds a model; only step 5 imports torch.
+A Hub id (``data.path`` or ``model.pretrained``) is not read here: no network call. Nothing here starts a process
+group; only step 6 imports torch and builds a model, on the meta device.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nemo_ac.config import ConfigError, ConfigIssue, RecipeConfig, check_environment, load_recipe, validate_recipe
+from nemo_ac.config.data_files import check_data_files
 from nemo_ac.config.pretrained import check_pretrained
+from nemo_ac.config.pretrained_files import check_pretrained_files
 from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.trainer.checkpoint_files import check_checkpoint_paths
 
@@ -103,6 +112,10 @@ def preflight(
     recipe = load_recipe(recipe_path, overrides, notes=notes)
     layout = validate_recipe(recipe, world_size=world_size, source=recipe_path)
     issues = check_pretrained(recipe)
+    if not issues:  # config.json fits: its files next
+        issues = check_pretrained_files(recipe)
+    weights_readable = not issues
+    issues += check_data_files(recipe, notes)
     issues += check_checkpoint_paths(recipe.checkpoint)
     issues += check_writable_dirs(recipe)
     if check_env:
@@ -112,6 +125,10 @@ def preflight(
             cuda_available = torch.cuda.is_available()
         issues += check_environment(recipe, cuda_available=cuda_available)
         issues += check_compile_backend(recipe)
+        if weights_readable and recipe.model.pretrained:
+            from nemo_ac.trainer.hf_weights import check_pretrained_tensors  # torch and the model, on meta
+
+            issues += check_pretrained_tensors(recipe)
     if issues:
         raise ConfigError(issues, source=recipe_path)
     return Preflight(recipe=recipe, layout=layout, notes=notes)

@@ -38,9 +38,9 @@ class ConfigError(ValueError):
         return [issue.key for issue in self.issues]
 
 
-def closest(name: str, candidates: Iterable[str]) -> str | None:
+def closest(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> str | None:
     """The candidate a typo most likely meant, or None."""
-    matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=cutoff)
     return matches[0] if matches else None
 
 

@@ -51,6 +51,11 @@ def merge_overrides(base: DictConfig, overrides: typing.Sequence[str], *, source
     if bad:
         issues = [ConfigIssue(item, "override must look like 'section.key=value'") for item in bad]
         raise ConfigError(issues, source=source)
+    # "=3" (or "+=3") would set the key "" and fail as "unknown key." with nothing before the colon.
+    keyless = [item for item in overrides if not item.removeprefix("+").partition("=")[0].strip()]
+    if keyless:
+        issues = [ConfigIssue("", f"override {item!r} has no key; write section.key=value") for item in keyless]
+        raise ConfigError(issues, source=source)
     # Hydra users write "+key=value" to add a key; every key can be set here, so the "+" is accepted and dropped.
     dotlist = [item[1:] if item.startswith("+") else item for item in overrides]
     try:

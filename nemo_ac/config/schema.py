@@ -330,13 +330,15 @@ class DataConfig:
     tokenizer: str | None = None
     text_column: str = "text"  # text: the column with plain text (each row one document, EOS appended)
     # text: the column with chat messages ([{"role", "content"}, ...]); when set, rows are chats and the loss covers
-    # only the assistant turns. Rows without an assistant turn are skipped (counted, with a warning).
+    # only the assistant turns. Rows that are no usable chat (not a list of {role, content} string turns, or no
+    # assistant turn) are skipped, counted, with a warning naming their rows (nemo_ac/config/text_rows.py).
     messages_column: str | None = None
     max_length: int = 4096  # medpix: tokens per row (every row exactly this long); divisible by cp
     # medpix: pack several samples per row (document_ids/positions restart) or one sample per row, padded.
     packing: bool = True
-    # medpix: background threads that decode and preprocess the next step's images while the current one trains
-    # (0: on the training thread when a step's batches are asked for). Same batches for every value.
+    # Background threads per rank that build the next step's batches while the current one trains (medpix: decode
+    # and preprocess its images; text, synthetic: its micro batches); 0: on the training thread when a step's
+    # batches are asked for. Same batches for every value; at most 64.
     num_workers: int = 0
     # medpix columns. "auto": "image" if the dataset has it, else "image_id" (mmoukouba/MedPix-VQA keeps the image
     # itself in image_id).

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from nemo_ac.config.deepep import check_deepep
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.config.mixer_kernels import check_mixer_kernels
+from nemo_ac.config.rules_data import check_data_workers
 from nemo_ac.config.rules_extensions import check_extensions, check_target
 from nemo_ac.config.rules_model import (
     check_data,
@@ -212,9 +213,7 @@ def _ulysses_recurrent_mixer_issues(recipe: RecipeConfig) -> list[ConfigIssue]:
 
 def check_batching(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
     t, par = recipe.train, recipe.parallel
-    issues = []
-    if recipe.data.num_workers < 0:
-        issues.append(ConfigIssue("data.num_workers", f"{recipe.data.num_workers} must be >= 0 (0: no worker threads)"))
+    issues = check_data_workers(recipe.data)
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         return [ConfigIssue("train.global_batch_size", "global_batch_size and micro_batch_size must be >= 1")]
     dp_shard = resolve_dp_shard(recipe, world_size)

@@ -71,6 +71,7 @@ class SyntheticBatches(StepBatches):
         self.seed = seed
         self._lengths = None if data_cfg.fixed_length else length_choices(data_cfg.seq_len, data_cfg.pad_multiple)
         self.next_step = 0
+        self._start_workers(data_cfg.num_workers, name="synthetic")
 
     def seq_len_for_step(self, step: int) -> int:
         if self._lengths is None:
@@ -83,9 +84,7 @@ class SyntheticBatches(StepBatches):
         g = torch.Generator().manual_seed(stream_seed(self.seed, step, _ROW_STREAM, row_index))
         return pack_row(lambda: self.task.sample(g), seq_len)
 
-    def batches_for_step(self, step: int) -> list[PackedBatch]:
+    def micro_batch(self, step: int, first_row: int) -> PackedBatch:
+        """Rows ``first_row ..`` of ``step`` (``StepBatches`` asks for them, in worker threads with num_workers)."""
         seq_len = self.seq_len_for_step(step)
-        return [
-            stack_rows([self.row(step, first + i, seq_len) for i in range(self.micro_batch_size)])
-            for first in self.global_rows_of_micro_batches()
-        ]
+        return stack_rows([self.row(step, first_row + i, seq_len) for i in range(self.micro_batch_size)])

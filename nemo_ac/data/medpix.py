@@ -22,7 +22,8 @@ Each image is decoded once, by the rank whose row holds it: image cells are read
 column is cast to ``decode=False``), the plan needs only the image size (the file header), and a sample's pixels
 are made only when its row is built (``decodes`` / ``used_images`` count this). ``data.num_workers > 0`` builds the
 next step's samples in that many background threads while the current step trains; which sample goes where is
-fixed by the plan on the calling thread, so the batches equal those of ``num_workers: 0``. A Hub dataset id is
+fixed by the plan on the calling thread, so the batches equal those of ``num_workers: 0`` (the pool and the
+prefetch are ``StepBatches``', shared with the text and synthetic sources). A Hub dataset id is
 downloaded by local rank 0 of each node while the node's other ranks wait at a barrier.
 """
 
@@ -31,12 +32,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from nemo_ac.config.data_files import TABULAR
 from nemo_ac.config.schema import DataConfig, VisionConfig
 from nemo_ac.data.batch import IGNORE_INDEX, PackedBatch, StepBatches
 from nemo_ac.data.image_processing import ImagePreprocessor
@@ -52,7 +54,6 @@ from nemo_ac.data.medpix_sample import synthetic_medpix_records
 from nemo_ac.distributed.env import once_per_node
 
 _EPOCH_STREAM = 3
-_TABULAR = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 
 
 def load_medpix_dataset(path: str, split: str = "train") -> tuple[Sequence[dict[str, Any]], Path | None]:
@@ -72,9 +73,9 @@ def load_medpix_dataset(path: str, split: str = "train") -> tuple[Sequence[dict[
         loaded = datasets.load_from_disk(str(local))
         return (loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded), local
     if local.is_file():
-        builder = _TABULAR.get(local.suffix)
+        builder = TABULAR.get(local.suffix)
         if builder is None:
-            raise ValueError(f"data.path={path!r}: unsupported file type (use one of {sorted(_TABULAR)})")
+            raise ValueError(f"data.path={path!r}: unsupported file type (use one of {sorted(TABULAR)})")
         return datasets.load_dataset(builder, data_files=str(local), split="train"), local.parent
     if local.is_dir():
         return datasets.load_dataset(str(local), split=split), local
@@ -204,8 +205,6 @@ class MedPixBatches(StepBatches):
             dataset, base_dir = load_medpix_dataset(data_cfg.path, data_cfg.split)
         if len(dataset) == 0:
             raise ValueError(f"data.path={data_cfg.path!r} (split {data_cfg.split!r}) has no rows")
-        if data_cfg.num_workers < 0:
-            raise ValueError(f"data.num_workers={data_cfg.num_workers} must be >= 0")
         self.columns = self._columns(data_cfg, dataset)
         self.dataset = without_image_decoding(dataset, self.columns[0])
         self.base_dir = base_dir
@@ -225,9 +224,7 @@ class MedPixBatches(StepBatches):
         self.decodes = 0  # images whose pixels this loader decoded and preprocessed
         self.used_images = 0  # images in the micro batches it returned
         self._count_lock = threading.Lock()
-        self.num_workers = data_cfg.num_workers
-        self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="medpix") if self.num_workers > 0 else None
-        self._prefetched: dict[int, list[list[list[Future[EncodedSample]]]]] = {}
+        self._start_workers(data_cfg.num_workers, name="medpix")  # StepBatches: the next step's decodes, in threads
 
     @staticmethod
     def _columns(data_cfg: DataConfig, dataset: Sequence[dict[str, Any]]) -> tuple[str, str, str]:
@@ -292,19 +289,10 @@ class MedPixBatches(StepBatches):
 
     def _submit_row(self, global_row: int) -> list[Future[EncodedSample]]:
         """Plans ``global_row`` on this thread and hands its samples' encoding to the pool (or does it now)."""
-        jobs = []
-        for stream_index, kept in self.plan.row(global_row):
-            cells = self._cells(stream_index)
-            if self._pool is not None:
-                jobs.append(self._pool.submit(self._encode_cells, cells, kept))
-            else:
-                done: Future[EncodedSample] = Future()
-                done.set_result(self._encode_cells(cells, kept))
-                jobs.append(done)
-        return jobs
+        return [self._run(self._encode_cells, self._cells(index), kept) for index, kept in self.plan.row(global_row)]
 
     def _submit_step(self, step: int) -> list[list[list[Future[EncodedSample]]]]:
-        """Per micro batch, per row: the futures of its samples, in plan order."""
+        """Per micro batch, per row: the futures of its samples, in plan order (the plan runs on this thread)."""
         base = step * self.global_batch_size
         return [
             [self._submit_row(base + first + i) for i in range(self.micro_batch_size)]
@@ -359,29 +347,8 @@ class MedPixBatches(StepBatches):
         base = step * self.global_batch_size + first_row
         return self._assemble([self.row(base + i)[1] for i in range(self.micro_batch_size)])
 
-    def batches_for_step(self, step: int) -> list[PackedBatch]:
-        """This rank's micro batches of ``step``. With worker threads, also starts building step + 1's."""
-        work = self._prefetched.pop(step, None) or self._submit_step(step)
-        self._drop_prefetched()
-        if self._pool is not None:
-            try:
-                self._prefetched[step + 1] = self._submit_step(step + 1)
-            except ValueError:  # e.g. nothing fits a row: raised when step + 1 itself is asked for
-                self._drop_prefetched()
+    def _finish_step(self, work: list[list[list[Future[EncodedSample]]]]) -> list[PackedBatch]:
         return [self._assemble([[job.result() for job in row] for row in rows]) for rows in work]
-
-    def _drop_prefetched(self) -> None:
-        for work in self._prefetched.values():
-            for job in (job for rows in work for row in rows for job in row):
-                job.cancel()
-        self._prefetched.clear()
-
-    def close(self) -> None:
-        """Stops the worker threads (queued work is dropped)."""
-        self._drop_prefetched()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
 
     @property
     def skipped_samples(self) -> int:

@@ -15,14 +15,21 @@ except the epoch's last partial row. A document cut by a row boundary continues 
 ``document_ids`` number the row's documents, ``labels[t] = input_ids[t + 1]`` where ``t + 1`` is in the same
 document and a target.
 
-Bad input (before training starts; ``TextDataError`` names the key): a missing column, an empty dataset, a
-tokenizer larger than ``model.vocab_size``. Counted skips with one warning each (what users expect of real data):
-chat rows without an assistant turn, empty texts.
+Bad input fails with a ``ConfigError`` naming the key and the fix: a missing column, an empty dataset, a tokenizer
+larger than ``model.vocab_size``, a local file the ``datasets`` library cannot read (named by its line and byte
+through ``config.data_files.diagnose_file``: a line that is not UTF-8 or not JSON). ``nemo_ac.preflight`` checks the
+same for a local file's head before any process group starts.
+
+Bad rows follow one rule (``config.text_rows``): a row that cannot become a document is skipped and counted, never a
+crash, whatever the reason (an empty or non-string text; a chat that is not a list of ``{role, content}`` string
+turns, or has no assistant turn); one warning per reason names the file, the key and the first row numbers (rows
+count from 0 in file order). Only a dataset without any usable row fails.
 """
 
 from __future__ import annotations
 
 import bisect
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,8 +38,10 @@ from typing import Any
 
 import torch
 
+from nemo_ac.config.data_files import diagnose_file
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.config.schema import DataConfig
+from nemo_ac.config.text_rows import SkippedRows, row_problem
 from nemo_ac.data.batch import PackedBatch, StepBatches
 from nemo_ac.data.loader import stream_seed
 from nemo_ac.data.packing import row_tensors, stack_rows
@@ -113,7 +122,8 @@ def _fail(key: str, message: str) -> ConfigError:
 
 
 def tokenize_documents(rows: Any, cfg: DataConfig, tokenizer: _TinyText | _HFText) -> list[TokenizedDocument]:
-    """Every usable row as a tokenized document; counted skips warned once."""
+    """Every usable row as a tokenized document; the others skipped, counted and warned about per reason
+    (``config.text_rows``: the same rule the preflight applies to a file's first rows)."""
     column = cfg.messages_column or cfg.text_column
     key = "data.messages_column" if cfg.messages_column else "data.text_column"
     names = list(getattr(rows, "column_names", None) or (rows[0].keys() if len(rows) else []))
@@ -121,25 +131,22 @@ def tokenize_documents(rows: Any, cfg: DataConfig, tokenizer: _TinyText | _HFTex
         raise _fail("data.path", f"{cfg.path!r} holds no rows (split {cfg.split!r}); point data.path at a dataset")
     if column not in names:
         raise _fail(key, f"column {column!r} is not in {cfg.path!r} (columns: {names}); set {key} to one of them")
+    chat = bool(cfg.messages_column)
     docs: list[TokenizedDocument] = []
-    skipped = {"empty text": 0, "no assistant turn": 0}
-    for row in rows:
+    skipped = SkippedRows()
+    for index, row in enumerate(rows):
         value = row[column]
-        if cfg.messages_column:
-            if not any(m.get("role") == "assistant" for m in value or []):
-                skipped["no assistant turn"] += 1
-                continue
+        problem = row_problem(value, chat=chat)
+        if problem is not None:
+            skipped.add(index, *problem)
+        elif chat:
             docs.append(tokenizer.chat(value))
         else:
-            if not value:
-                skipped["empty text"] += 1
-                continue
             docs.append(tokenizer.plain(value))
-    for reason, count in skipped.items():
-        if count:
-            warnings.warn(f"data.kind text: skipped {count} row(s) of {cfg.path!r}: {reason}", stacklevel=2)
+    for line in skipped.lines():
+        warnings.warn(f"data.kind text: skipped rows of {cfg.path!r} ({key} {column!r}): {line}", stacklevel=2)
     if not docs:
-        raise _fail(key, f"no usable rows in {cfg.path!r} ({skipped}); check {key}")
+        raise _fail(key, f"no usable rows in {cfg.path!r} ({'; '.join(skipped.lines())}); check {key} and the file")
     return docs
 
 
@@ -155,7 +162,31 @@ def _load_rows(cfg: DataConfig) -> Any:
     local = Path(cfg.path)
     if local.is_file() and local.stat().st_size == 0:
         raise _fail("data.path", f"{cfg.path!r} is an empty file; point data.path at a file with one document per row")
-    return load_medpix_dataset(cfg.path, cfg.split)[0]
+    try:
+        return load_medpix_dataset(cfg.path, cfg.split)[0]
+    except Exception as exc:
+        if not local.exists():
+            raise
+        raise _unreadable(cfg, exc) from exc
+
+
+def _unreadable(cfg: DataConfig, exc: Exception) -> ConfigError:
+    """The ``datasets`` library names neither file nor line ("DatasetGenerationError: An error occurred while
+    generating the dataset", a bare "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9 in position 3", the
+    latter only when a row is read): read a local file ourselves to name them."""
+    problem = diagnose_file(cfg.path) if cfg.path else None
+    if problem is None:
+        problem = f"{cfg.path!r} cannot be read by the datasets library: {type(exc).__name__}: {exc}"
+    return _fail("data.path", problem)
+
+
+def read_documents(cfg: DataConfig, tokenizer: _TinyText | _HFText) -> list[TokenizedDocument]:
+    """``data.path``'s usable rows, tokenized; a file that cannot be read fails naming its line."""
+    rows = _load_rows(cfg)
+    try:
+        return tokenize_documents(rows, cfg, tokenizer)
+    except UnicodeDecodeError as exc:  # Arrow keeps a non-UTF-8 JSONL string as it is, until the row is read
+        raise _unreadable(cfg, exc) from exc
 
 
 class TextBatches(StepBatches):
@@ -188,7 +219,7 @@ class TextBatches(StepBatches):
                     f"{vocab_size} is smaller than data.tokenizer's {tokenizer.vocab_size} tokens; set "
                     f"model.vocab_size >= {tokenizer.vocab_size} or use the model's own tokenizer",
                 )
-            documents = tokenize_documents(_load_rows(data_cfg), data_cfg, tokenizer)
+            documents = read_documents(data_cfg, tokenizer)
         self.documents = documents
         self.total_tokens = sum(len(d.tokens) for d in documents)
         self.rows_per_epoch = self.total_tokens // self.seq_len
@@ -198,19 +229,24 @@ class TextBatches(StepBatches):
                 f"{self.seq_len} is longer than all of {data_cfg.path!r} ({self.total_tokens} tokens); lower it",
             )
         self._epochs: dict[int, tuple[list[int], list[int]]] = {}
+        self._epochs_lock = threading.Lock()  # rows are built in data.num_workers threads too
         self.next_step = 0
+        self._start_workers(data_cfg.num_workers, name="text")
 
     def _epoch(self, epoch: int) -> tuple[list[int], list[int]]:
         """(document order, cumulative token starts) of ``epoch``."""
-        if epoch not in self._epochs:
-            g = torch.Generator().manual_seed(stream_seed(self.seed, epoch, _EPOCH_STREAM))
-            order = torch.randperm(len(self.documents), generator=g).tolist()
-            starts, total = [], 0
-            for index in order:
-                starts.append(total)
-                total += len(self.documents[index].tokens)
-            self._epochs = {epoch: (order, starts)}  # one epoch at a time: rows never go back
-        return self._epochs[epoch]
+        with self._epochs_lock:
+            if epoch not in self._epochs:
+                g = torch.Generator().manual_seed(stream_seed(self.seed, epoch, _EPOCH_STREAM))
+                order = torch.randperm(len(self.documents), generator=g).tolist()
+                starts, total = [], 0
+                for index in order:
+                    starts.append(total)
+                    total += len(self.documents[index].tokens)
+                # Two epochs at a time: the micro batches of one step, built in parallel, may straddle an epoch end.
+                self._epochs = {e: v for e, v in self._epochs.items() if e == epoch - 1}
+                self._epochs[epoch] = (order, starts)
+            return self._epochs[epoch]
 
     def row(self, global_row: int) -> dict[str, torch.Tensor]:
         """Global row ``global_row`` of the run (independent of rank and layout)."""
@@ -236,9 +272,7 @@ class TextBatches(StepBatches):
             d += 1
         return row_tensors(ids=ids, positions=pos, documents=doc, targets=targets)
 
-    def batches_for_step(self, step: int) -> list[PackedBatch]:
-        first_row = step * self.global_batch_size
-        return [
-            stack_rows([self.row(first_row + first + i) for i in range(self.micro_batch_size)])
-            for first in self.global_rows_of_micro_batches()
-        ]
+    def micro_batch(self, step: int, first_row: int) -> PackedBatch:
+        """Rows ``first_row ..`` of ``step`` (``StepBatches`` asks for them, in worker threads with num_workers)."""
+        base = step * self.global_batch_size + first_row
+        return stack_rows([self.row(base + i) for i in range(self.micro_batch_size)])

@@ -24,10 +24,12 @@ from torch import nn
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.config.pretrained import architecture_mismatches, check_pretrained, mismatch_issues
+from nemo_ac.config.pretrained_files import local_pretrained_dir
 from nemo_ac.config.schema import CheckpointConfig, ModelConfig, RecipeConfig
 from nemo_ac.distributed.env import once_per_node
-from nemo_ac.models import model_dtype
+from nemo_ac.models import build_model, model_dtype
 from nemo_ac.models.hf import export_hf_checkpoint, materialize_and_load, read_hf_config, resolve_pretrained
+from nemo_ac.models.hf.io import checkpoint_problems
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.trainer.checkpoint_files import root_of
 from nemo_ac.trainer.export_files import write_export_extras
@@ -36,6 +38,7 @@ __all__ = [
     "architecture_issues",
     "architecture_mismatches",
     "check_hf_weights",
+    "check_pretrained_tensors",
     "export_dir",
     "export_final_hf",
     "export_model_dir",
@@ -57,6 +60,33 @@ def architecture_issues(recipe_model: ModelConfig, path: str | Path) -> list[Con
 def check_hf_weights(recipe: RecipeConfig) -> list[ConfigIssue]:
     """Before any process group (pure; see ``nemo_ac.config.pretrained.check_pretrained``)."""
     return check_pretrained(recipe)
+
+
+MAX_LISTED = 20  # tensor problems listed one per line; the rest counted
+
+
+def check_pretrained_tensors(recipe: RecipeConfig) -> list[ConfigIssue]:
+    """The preflight's environment step (imports torch, starts no process group): every tensor in a local
+    ``model.pretrained``'s safetensors headers against the model built on the meta device, by the loader's own plan
+    (``models.hf.io.checkpoint_problems``: missing, unexpected, mis-shaped, mis-typed keys, in the words the load
+    would use). Before, these failed only after the process group, the build and the parallelization, on the way
+    into a weight load. A Hub id is skipped (no network here); the load checks its files after the download."""
+    root = local_pretrained_dir(recipe)
+    if root is None:
+        return []
+    problems = checkpoint_problems(build_model(recipe.model, device="meta"), root)
+    if not problems:
+        return []
+    issues = [ConfigIssue("model.pretrained", problem) for problem in problems[:MAX_LISTED]]
+    more = f" ({len(problems) - MAX_LISTED} more not listed)" if len(problems) > MAX_LISTED else ""
+    issues.append(
+        ConfigIssue(
+            "model.pretrained",
+            f"the safetensors in {root} do not fit the model its config.json describes{more}: export the checkpoint "
+            "again, or point model.pretrained at one whose weights match its config.json",
+        )
+    )
+    return issues
 
 
 def resolve_pretrained_once_per_node(name_or_path: str) -> Path:

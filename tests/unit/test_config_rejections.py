@@ -328,6 +328,13 @@ ROWS = [
         r"6 must be divisible by dp\*micro_batch_size = 2\*2 \(dp = dp_replicate\*dp_shard at world size 2\)",
     ),
     row("check_batching", ["data.num_workers=-1"], "data.num_workers", r"-1 must be >= 0 \(0: no worker threads\)"),
+    row(
+        "check_batching",
+        ["data.num_workers=100000"],
+        "data.num_workers",
+        r"100000 threads per rank is more than the 64 allowed; .* set it between 0 and 64",
+        id="num_workers_above_64",
+    ),
     # check_training
     row("check_training", ["train.steps=-1"], "train.steps", r"must be >= 0, got -1"),
     row(
@@ -745,6 +752,8 @@ CONVERSIONS = [
     (["train.optimizer=adam"], r"train.optimizer: expected a mapping, got 'adam'"),
     (["model.moe=3"], r"model.moe: expected a mapping \(section\), got 3"),
     (["train.steps"], r"train.steps: override must look like 'section.key=value'"),
+    (["=3"], r"override '=3' has no key; write section.key=value"),
+    (["+=3"], r"override '\+=3' has no key; write section.key=value"),
     (["train.steps=${nope"], r"cannot apply overrides \['train.steps=\$\{nope'\]"),
     (["train.steps=[1"], r"cannot apply overrides \['train.steps=\[1'\]"),
     (["[=3"], r"cannot apply overrides \['\[=3'\]"),

@@ -17,7 +17,7 @@ from nemo_ac.config import ConfigError, load_recipe
 from nemo_ac.config.hf import hf_config_dict
 from nemo_ac.preflight import preflight
 from nemo_ac.trainer.export_files import write_export_extras
-from tests.factories import CONFIGS
+from tests.factories import CONFIGS, write_hub_checkpoint
 from tests.launch import RECIPES, ROOT
 
 TINY = RECIPES / "tiny" / "qwen3_moe_tiny.yaml"
@@ -53,6 +53,9 @@ def test_local_dir_fills_the_architecture_and_explicit_keys_win(tmp_path: Path) 
         "model.max_position_embeddings: recipe 600 overrides config.json 300",
         f"model.init_std: recipe 0.5 overrides config.json {expected.init_std}",
     ]  # aux_loss_coef is a training knob no config.json holds: no note
+    with pytest.raises(ConfigError, match=r"model.pretrained: .*/hf: no \*.safetensors files"):
+        preflight(str(tmp_path / "recipe.yaml"), world_size=2, check_env=False)  # the preflight reads the headers
+    write_hub_checkpoint(m, hf)
     assert preflight(str(tmp_path / "recipe.yaml"), world_size=2, check_env=False).recipe.model.num_layers == 3
 
 

@@ -41,12 +41,24 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from nemo_ac.config.hf import HFFamily, hf_config_dict, hf_family
+from nemo_ac.config.pretrained_files import FLOAT_DTYPES, INDEX_FILE, TensorHeader, checkpoint_headers
 from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models.common.experts import GroupedExperts
 from nemo_ac.models.hf.sharded_io import ReadStats, gather_to_writer, local_region
 from nemo_ac.models.init import canonical_name, copy_full_into
 
-INDEX_FILE = "model.safetensors.index.json"
+_TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 # Keys some checkpoints carry that are never parameters (rotary caches of older exports).
 _ALWAYS_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _MAX_LISTED = 20
@@ -113,27 +125,11 @@ def _expert_pieces(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[s
 
 
 def checkpoint_index(path: str | Path) -> dict[str, str]:
-    """Checkpoint key -> safetensors file name, from the index file or, without one, from every file's header."""
-    root = Path(path)
-    index = root / INDEX_FILE
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        missing = sorted({f for f in weight_map.values() if not (root / f).is_file()})
-        if missing:
-            raise FileNotFoundError(f"{index} names files that do not exist: {missing}")
-        return weight_map
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{root}: no *.safetensors files and no {INDEX_FILE}")
-    safe_open = _safetensors()
-    out: dict[str, str] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                if key in out:
-                    raise HFCheckpointError(f"key {key!r} is in both {out[key]} and {file.name}")
-                out[key] = file.name
-    return out
+    """Checkpoint key -> safetensors file name, from the index file or, without one, from every file's header
+    (``config.pretrained_files``: headers only; ``HFCheckpointError`` naming each damaged or missing file)."""
+    headers, problems = checkpoint_headers(Path(path))
+    _fail(problems, Path(path))
+    return {key: header.file for key, header in headers.items()}
 
 
 def _fail(problems: list[str], path: Path) -> None:
@@ -143,22 +139,41 @@ def _fail(problems: list[str], path: Path) -> None:
         raise HFCheckpointError(f"checkpoint {path} does not match the model:\n  {shown}{more}")
 
 
-def _plan(model: nn.Module, root: Path, spec: HFFamily, cfg: ModelConfig, strict: bool) -> list[_Target]:
-    """Sources of every model tensor, validated against the safetensors headers (no tensor data is read)."""
+def _dtype_problem(piece: _Piece, header: TensorHeader, target: _Target) -> str | None:
+    """Why the checkpoint dtype of ``piece`` cannot fill ``target``: the loader casts floating-point weights between
+    F64 / F32 / F16 / BF16 only (an FP8 or integer tensor in their place is a quantized or foreign checkpoint)."""
+    if target.tensor.is_floating_point():
+        if header.dtype in FLOAT_DTYPES:
+            return None
+        need = f"one of {', '.join(sorted(FLOAT_DTYPES))} (a quantized checkpoint needs dequantizing first)"
+    elif _TORCH_DTYPES.get(header.dtype) == target.tensor.dtype:
+        return None
+    else:
+        need = str(target.tensor.dtype).removeprefix("torch.")
+    return f"dtype of {piece.key!r} in {piece.file} is {header.dtype}, model tensor {target.name!r} needs {need}"
+
+
+def _plan_problems(
+    model: nn.Module, root: Path, spec: HFFamily, cfg: ModelConfig, strict: bool
+) -> tuple[list[_Target], list[str]]:
+    """Sources of every model tensor, and every problem: damaged files, missing, unexpected, mis-shaped and
+    mis-typed keys, from the safetensors headers alone (no tensor data is read; the model may be on meta)."""
+    headers, problems = checkpoint_headers(root)
+    if problems:  # a damaged or missing file: its keys would all read as missing
+        return [], problems
     tensors = model_tensors(model)
     targets = {name: _Target(name, t) for name, t in tensors.items()}
     experts = _expert_pieces(model, tensors)
     tied = cfg.tie_word_embeddings and "lm_head.weight" not in tensors
-    problems: list[str] = []
-    for key, file in checkpoint_index(root).items():
+    for key, header in headers.items():
         name = spec.to_model_key(key)
         if name in targets:
-            targets[name].pieces.append(_Piece(key, file))
+            targets[name].pieces.append(_Piece(key, header.file))
         elif name in experts:
             grouped, e, rows = experts[name]
-            targets[grouped].pieces.append(_Piece(key, file, e, rows))
+            targets[grouped].pieces.append(_Piece(key, header.file, e, rows))
         elif not (spec.ignore_key(name, cfg) or _ALWAYS_IGNORED.search(name) or (tied and name == "lm_head.weight")):
-            problems.append(f"unexpected key {key!r} in {file} (no model tensor {name!r})")
+            problems.append(f"unexpected key {key!r} in {header.file} (no model tensor {name!r})")
     if not strict:
         problems.clear()
 
@@ -166,8 +181,6 @@ def _plan(model: nn.Module, root: Path, spec: HFFamily, cfg: ModelConfig, strict
     for part_key, (grouped, _, _) in experts.items():
         expected_parts.setdefault(grouped, set()).add(spec.to_hub_key(part_key))
 
-    safe_open = _safetensors()
-    by_file: dict[str, list[tuple[_Target, _Piece]]] = {}
     for target in targets.values():
         whole = [p for p in target.pieces if p.expert is None]
         parts = {p.key for p in target.pieces if p.expert is not None}
@@ -181,19 +194,36 @@ def _plan(model: nn.Module, root: Path, spec: HFFamily, cfg: ModelConfig, strict
             absent = sorted(expected_parts[target.name] - parts)
             problems.append(f"missing per-expert keys for {target.name!r}: {absent[:4]} ({len(absent)} in all)")
         for piece in target.pieces:
-            by_file.setdefault(piece.file, []).append((target, piece))
-    for file, entries in by_file.items():
-        with safe_open(str(root / file), framework="pt") as f:
-            for target, piece in entries:
-                got = tuple(f.get_slice(piece.key).get_shape())
-                want = tuple(target.tensor.shape)
-                if piece.expert is not None:
-                    rows = range(want[1])[piece.rows] if piece.rows is not None else range(want[1])
-                    want = (len(rows), *want[2:])
-                if got != want:
-                    problems.append(f"shape of {piece.key!r} in {file} is {list(got)}, model expects {list(want)}")
+            header = headers[piece.key]
+            want = tuple(target.tensor.shape)
+            if piece.expert is not None:
+                rows = range(want[1])[piece.rows] if piece.rows is not None else range(want[1])
+                want = (len(rows), *want[2:])
+            if header.shape != want:
+                problems.append(
+                    f"shape of {piece.key!r} in {piece.file} is {list(header.shape)}, model expects {list(want)}"
+                )
+            dtype_problem = _dtype_problem(piece, header, target)
+            if dtype_problem is not None:
+                problems.append(dtype_problem)
+    return list(targets.values()), problems
+
+
+def _plan(model: nn.Module, root: Path, spec: HFFamily, cfg: ModelConfig, strict: bool) -> list[_Target]:
+    """Sources of every model tensor, validated against the safetensors headers (no tensor data is read)."""
+    targets, problems = _plan_problems(model, root, spec, cfg, strict)
     _fail(problems, root)
-    return list(targets.values())
+    return targets
+
+
+def checkpoint_problems(
+    model: nn.Module, path: str | Path, *, family: str | None = None, strict: bool = True
+) -> list[str]:
+    """Everything ``load_hf_checkpoint`` would reject about the checkpoint at ``path`` for ``model``, in its words,
+    from the safetensors headers alone: the model may be on the meta device (the preflight's check, seconds
+    before a weight load that would fail)."""
+    cfg: ModelConfig = model.config  # type: ignore[assignment]
+    return _plan_problems(model, Path(path), hf_family(family or cfg.family), cfg, strict)[1]
 
 
 def _assemble(
@@ -263,7 +293,13 @@ def load_hf_checkpoint(
         for target in targets:
             for piece in target.pieces:
                 if piece.file not in handles:
-                    handles[piece.file] = stack.enter_context(safe_open(str(root / piece.file), framework="pt"))
+                    try:
+                        handles[piece.file] = stack.enter_context(safe_open(str(root / piece.file), framework="pt"))
+                    except Exception as exc:  # SafetensorError names no file ("incomplete metadata, ...")
+                        raise HFCheckpointError(
+                            f"{root / piece.file} cannot be opened: {type(exc).__name__}: {exc}; download or copy "
+                            "the file again"
+                        ) from exc
             region = local_region(target.tensor)
             stats.sharded += region is not None
             stats.whole += region is None
