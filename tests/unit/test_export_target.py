@@ -1,4 +1,5 @@
-"""Where an HF export may go (nemo_ac/trainer/export_target.py): an export replaces its directory whole, so a target that is, contains or lies inside
+"""Where an HF export may go (nemo_ac/trainer/export_target.py) and the preflight's check of
+``checkpoint.export_hf_dir``: an export replaces its directory whole, so a target that is, contains or lies inside
 what is being read or kept, a non-empty directory no export wrote, or an unwritable location is refused before
 anything is loaded (measured before: ``nemo-ac export RUN --out RUN`` deleted the run's recipe, metrics and
 checkpoints; an ``--out`` of unrelated files was emptied silently)."""
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from nemo_ac.config import load_recipe
+from nemo_ac.preflight import check_export_dir
 from nemo_ac.trainer.export_target import (
     EXPORT_MARKER,
     checkpoint_entry,
@@ -20,6 +23,8 @@ from nemo_ac.trainer.export_target import (
     swap_in,
     write_blocker,
 )
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
 
 
 def _run(tmp_path: Path) -> Path:
@@ -104,3 +109,45 @@ def test_swap_in_replaces_the_old_export_and_keeps_it_when_the_rename_fails(tmp_
     with pytest.raises(FileNotFoundError):  # a partial that is gone: the rename fails after the old one moved aside
         swap_in(partial, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and (out / "new.safetensors").read_text() == "new"
+
+
+def _issues(tmp_path: Path, *overrides: str) -> list[str]:
+    recipe = load_recipe(
+        RECIPE,
+        [f"logging.run_dir={tmp_path / 'run'}", "checkpoint.enabled=true", "checkpoint.export_hf=true", *overrides],
+    )
+    return [str(issue) for issue in check_export_dir(recipe)]
+
+
+def test_preflight_refuses_an_export_dir_that_would_delete_the_run_a_checkpoint_or_unrelated_files(tmp_path) -> None:
+    run = tmp_path / "run"
+    assert _issues(tmp_path) == []  # the default <checkpoint.dir>/hf
+    (issue,) = _issues(tmp_path, f"checkpoint.export_hf_dir={run}")
+    assert issue == (
+        f"checkpoint.export_hf_dir: '{run}' is the run directory (logging.run_dir); the export at the end of training "
+        "replaces it whole and would delete it: choose a directory outside it (null: <checkpoint.dir>/hf)"
+    )
+    (issue,) = _issues(tmp_path, f"checkpoint.export_hf_dir={tmp_path}")
+    assert f"'{tmp_path}' contains the run directory (logging.run_dir) {run};" in issue
+    assert f"choose a directory outside {run} (null" in issue
+    (issue,) = _issues(tmp_path, f"checkpoint.export_hf_dir={run / 'checkpoints'}")
+    assert "is checkpoint.dir; the export at the end of training replaces it whole" in issue
+    (issue,) = _issues(
+        tmp_path, f"checkpoint.export_hf_dir={tmp_path / 'ck'}", f"checkpoint.dir={tmp_path / 'ck' / 'c'}"
+    )
+    assert f"contains checkpoint.dir {tmp_path / 'ck' / 'c'}" in issue
+    ck = tmp_path / "ck"
+    (issue,) = _issues(tmp_path, f"checkpoint.dir={ck}", f"logging.run_dir={ck / 'hf'}")  # the default collides
+    assert issue.startswith(f"checkpoint.export_hf_dir: null (= {ck / 'hf'}) is the run directory (logging.run_dir)")
+    (issue,) = _issues(tmp_path, f"checkpoint.export_hf_dir={run / 'checkpoints' / 'latest'}")
+    assert "is or lies inside latest of checkpoint.dir" in issue
+    unrelated = tmp_path / "mine"
+    unrelated.mkdir()
+    (unrelated / "notes.txt").write_text("keep me")
+    (issue,) = _issues(tmp_path, f"checkpoint.export_hf_dir={unrelated}")
+    assert issue.endswith(
+        "(no nemo_ac_export.json), so replacing it would delete them; empty it or choose another directory"
+    )
+    (unrelated / EXPORT_MARKER).write_text(marker_text(source="end of training", step=3))
+    assert _issues(tmp_path, f"checkpoint.export_hf_dir={unrelated}") == []  # an earlier export: replaced
+    assert _issues(tmp_path, "checkpoint.export_hf=false", f"checkpoint.export_hf_dir={run}") == []
