@@ -1,4 +1,4 @@
-"""Nothing lost, every bad input named: ``nemo-ac export`` never destroys what it reads.
+"""Nothing lost, every bad input named: ``nemo-ac export`` never destroys what it reads, and a stop always stops.
 
 Export cases run on one real run (the tiny recipe trained 2 steps in a world of one, checkpoints step_1 and step_2),
 through ``nemo-ac export`` itself (in process where the exit code and stderr are all there is to see; in a
@@ -6,6 +6,10 @@ subprocess where the filesystem must be read-only or full). Measured on the code
 and ``--out RUN/checkpoints`` deleted the run (exit 2, "step_2/nemo_ac_checkpoint.json: missing"), ``--out RUN/hf``
 and an ``--out`` of unrelated files were written over (exit 0), a read-only ``--out`` was an ``OSError`` traceback,
 a checkpoint of another model shape a DCP ``CheckpointException`` traceback.
+
+The stop case is a real ``nemo-ac train`` on 2 ranks (torchrun through nemo_ac.launch) whose step compiles on a
+cold inductor cache while SIGTERM reaches the launcher: before the stop deadline, torchrun SIGKILLed the ranks
+after its 30 s grace (``forcefully exiting via 9``, exit 143) and no nemo_ac line was printed.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -227,3 +233,63 @@ def test_a_write_that_fails_midway_leaves_the_earlier_export_and_no_partial(run_
         "; the previous content is unchanged"
     ), line
     assert "No space left on device" in line
+
+
+def _our_processes(cache: Path) -> list[str]:
+    """Processes still running with this test's inductor cache in their environment (ranks, compile workers)."""
+    psutil = pytest.importorskip("psutil")
+    left = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.environ().get("TORCHINDUCTOR_CACHE_DIR") == str(cache) and proc.status() != psutil.STATUS_ZOMBIE:
+                left.append(" ".join(proc.info["cmdline"] or [])[:120])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return left
+
+
+def test_sigterm_while_a_step_compiles_ends_every_rank_within_the_deadline_with_one_line(run_dir, tmp_path) -> None:
+    """``nemo-ac train`` on 2 ranks resumes step_2 of the trained run (its own copy) with compile on and a cold
+    inductor cache, so step 3 compiles for much longer than the deadline; SIGTERM to the launcher once inductor
+    writes its first file. Every rank ends within the deadline plus start-of-exit slack, rank 0 alone says where it
+    was and which checkpoint stands, nothing else is printed, nothing partial is left, no process outlives it."""
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(run_dir / "checkpoints", ckpt)
+    cache = tmp_path / "inductor"
+    deadline = 5
+    command = [sys.executable, "-m", "nemo_ac.cli", "train", str(TINY), "--nproc-per-node", "2"]
+    command += [f"logging.run_dir={tmp_path / 'run'}", "logging.progress_bar=never", "compile.enabled=true"]
+    command += ["train.steps=4", "train.warmup_steps=1", "checkpoint.enabled=true", "checkpoint.resume=auto"]
+    command += [f"checkpoint.dir={ckpt}", f"train.stop_deadline_s={deadline}"]
+    log = tmp_path / "out.txt"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            command, env=child_env({"TORCHINDUCTOR_CACHE_DIR": str(cache)}), cwd=ROOT, stdout=out, stderr=out
+        )
+        limit = time.monotonic() + 300
+        while time.monotonic() < limit and proc.poll() is None:
+            started = "compile | the first step compiles" in log.read_text()
+            if started and cache.is_dir() and any(p.is_file() for p in cache.rglob("*")):
+                break  # inductor is compiling step 3
+            time.sleep(0.1)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        took = time.monotonic() - sent
+    output = log.read_text()
+    print(f"SIGTERM while step 3 compiled: exit {proc.returncode} after {took:.1f} s (deadline {deadline} s)")
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert took < deadline + 10, output[-3000:]  # well inside torchrun's 30 s grace
+    stop_lines = [line for line in output.splitlines() if line.startswith("nemo_ac:")]
+    assert stop_lines == [
+        f"nemo_ac: SIGTERM during step 3 (compiling): still running train.stop_deadline_s={deadline} s after it; "
+        f"nothing new saved; the last complete checkpoint is {ckpt / 'step_2'} (rerun the same command to "
+        "continue); exiting with 143"
+    ], output[-3000:]
+    assert output.rstrip().endswith(stop_lines[0])  # the last line: nothing from torchrun or nemo_ac.launch after it
+    for absent in ("Traceback", "forcefully exiting", "nemo-ac train:", "SignalException"):
+        assert absent not in output, output[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_1", "step_2"]  # no step_3, no .partial
+    time.sleep(1)  # a SIGKILLed worker's exit is reaped by init
+    assert _our_processes(cache) == []
