@@ -109,16 +109,21 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    """One line on stderr and exit code 2 for every failure (nemo_ac.trainer.export: nothing it reads is lost)."""
     if args.overrides:
         print(f"nemo-ac export: takes no overrides: {' '.join(args.overrides)}", file=sys.stderr)
         return 2
-    from nemo_ac.trainer.checkpoint_files import CheckpointError
     from nemo_ac.trainer.export import export_checkpoint  # imports torch: only when the command runs
 
     try:
-        done = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
-    except (CheckpointError, ConfigError) as exc:
-        print(f"nemo-ac export: {exc}", file=sys.stderr)
+        done = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, force=args.force)
+    except KeyboardInterrupt:
+        print(f"nemo-ac export: interrupted; --out {args.out} is as it was before", file=sys.stderr)
+        return 130
+    except Exception as exc:  # CheckpointError, ConfigError (a manifest's recipe), OSError, a model that will not build
+        text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+        known = exc.__class__.__module__.startswith("nemo_ac.")
+        print(f"nemo-ac export: {text if known else f'{type(exc).__name__}: {text}'}", file=sys.stderr)
         return 2
     print(f"export | step {done.step} of {done.checkpoint} -> {done.out}")
     return 0
@@ -239,7 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="write a DCP checkpoint as a Hugging Face model directory (config, safetensors, tokenizer)"
     )
     export.add_argument("checkpoint", help="a run directory, a checkpoint.dir (its newest step) or a step_<N> dir")
-    export.add_argument("--out", required=True, help="the Hugging Face model directory to write (replaced whole)")
+    export.add_argument(
+        "--out",
+        required=True,
+        help="the Hugging Face model directory to write, replaced whole: new, empty or an earlier export; never in "
+        "the run or checkpoint directory",
+    )
+    export.add_argument(
+        "--force", action="store_true", help="replace a non-empty --out that holds no earlier nemo_ac export"
+    )
     export.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],

@@ -11,7 +11,9 @@ traceback and the report of every rank), and a signalled run with a ``SignalExce
 
 - a failed rank: one line naming the root-cause rank, its exit code, the first line of its error (from the error
   file ``@record`` on ``nemo_ac.train.main`` wrote) and the error file holding the full traceback;
-- a signal: nothing beyond rank 0's own line (the checkpoint it saved); exit code 128 + signal number;
+- a signal: nothing beyond rank 0's own line (the checkpoint it saved, or the one that stands when the stop
+  deadline ended the ranks: nemo_ac.trainer.stop); exit code 128 + signal number. That also holds when the ranks
+  were signalled and torchrun was not: a rank's exit code 143 / 130 without an error file is such a stop;
 - torchrun's per-process log lines about closing signals and the death signal are filtered (public ``logging``
   filters on torch's elastic loggers); every other agent message (restarts under ``--max-restarts``) still prints.
 """
@@ -42,8 +44,12 @@ def _install_filters() -> None:
         logging.getLogger(name).addFilter(quiet)
 
 
-def failure_line(error: BaseException) -> tuple[str, int]:
-    """One line for torchrun's ``ChildFailedError`` (the root-cause rank), and the exit code to leave with."""
+STOP_CODES = (128 + signal.SIGTERM, 128 + signal.SIGINT)  # a rank's exit after a stop that saved nothing new
+
+
+def failure_line(error: BaseException) -> tuple[str | None, int]:
+    """One line for torchrun's ``ChildFailedError`` (the root-cause rank), and the exit code to leave with; no line
+    for a rank that stopped on a signal (``STOP_CODES``, no error file): its rank 0 printed the stop's line."""
     rank, failure = error.get_first_failure()  # type: ignore[attr-defined]
     message = failure.message
     if isinstance(message, dict):  # an error file written by @record: {"message": "Type: text", "extraInfo": ...}
@@ -55,8 +61,11 @@ def failure_line(error: BaseException) -> tuple[str, int]:
         code = 128 - code
     else:
         what = f"exited with code {code}"
+    recorded = failure.error_file not in (None, "", "<N/A>") and failure.error_file_data.get("message") != "<NONE>"
+    if code in STOP_CODES and failure.exitcode > 0 and not recorded:
+        return None, code
     line = f"nemo-ac train: rank {rank} {what}"
-    if failure.error_file and failure.error_file != "<N/A>" and failure.error_file_data.get("message") != "<NONE>":
+    if recorded:
         line += f": {first[0] if first else ''} (traceback in {failure.error_file})"
     elif code == 2:
         line += " (its recipe error is printed above)"
@@ -74,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         run(args)
     except ChildFailedError as error:
         line, code = failure_line(error)
-        print(line, file=sys.stderr, flush=True)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
         return code
     except SignalException as error:  # the agent already forwarded it and waited for the ranks
         return 128 + int(getattr(error, "sigval", signal.SIGTERM))

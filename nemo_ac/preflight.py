@@ -14,8 +14,9 @@ one ``ConfigError`` (each naming its key and the fix):
    number) and holds the columns and usable first rows the recipe names (``config.data_files``; a Hub id is not
    checked: no network here);
 5. paths: ``checkpoint.resume`` names a complete checkpoint, ``checkpoint.dir`` holds no other run's later steps
-   (``trainer.checkpoint_files.check_checkpoint_paths``), and the directories the run writes (run dir, checkpoints,
-   HF export) can be created;
+   (``trainer.checkpoint_files.check_checkpoint_paths``), the end-of-training HF export can replace its directory
+   without deleting the run, a checkpoint or unrelated files (``check_export_dir``), and the directories the run
+   writes (run dir, checkpoints, HF export) can be created;
 6. with ``check_env`` (always for a run, ``--check-env`` for validate): the optional extras, CUDA, DeepEP and the
    torch.compile backend the recipe names (``config.environment``); and every tensor of a local
    ``model.pretrained``'s headers against the model built on the meta device: missing, unexpected, shape, dtype
@@ -38,6 +39,7 @@ from nemo_ac.config.pretrained import check_pretrained
 from nemo_ac.config.pretrained_files import check_pretrained_files
 from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.trainer.checkpoint_files import check_checkpoint_paths
+from nemo_ac.trainer.export_target import checkpoint_entry, export_dir_of, overlap, replace_refusal
 
 
 @dataclass
@@ -69,14 +71,53 @@ def check_writable_dirs(recipe: RecipeConfig) -> list[ConfigIssue]:
     if recipe.checkpoint.enabled and recipe.checkpoint.dir:
         targets["checkpoint.dir"] = recipe.checkpoint.dir
     if recipe.checkpoint.export_hf:
-        export = recipe.checkpoint.export_hf_dir or str(Path(recipe.checkpoint.dir or ".") / "hf")
-        targets["checkpoint.export_hf_dir"] = export
+        targets["checkpoint.export_hf_dir"] = str(export_dir_of(recipe.checkpoint))
     issues = []
     for key, value in targets.items():
         reason = _unwritable(Path(value).expanduser())
         if reason is not None:
             issues.append(ConfigIssue(key, f"'{value}' {reason}; point {key} at a writable location"))
     return issues
+
+
+def check_export_dir(recipe: RecipeConfig) -> list[ConfigIssue]:
+    """With ``checkpoint.export_hf``: the export at the end of training replaces ``checkpoint.export_hf_dir`` (null:
+    ``<checkpoint.dir>/hf``) whole, so it must not be or contain the run directory or ``checkpoint.dir`` (the same
+    mistake as ``nemo-ac export RUN --out RUN``, which deleted the run's recipe, metrics and checkpoints), must not
+    be a checkpoint (``step_<N>``, ``latest``, the ``checkpoint.resume`` one), and must be new, empty or an earlier
+    export (``trainer.export_target``). Found here, hours before the export would run."""
+    config = recipe.checkpoint
+    if not config.export_hf:
+        return []
+    out = export_dir_of(config)
+    shown = f"'{config.export_hf_dir}'" if config.export_hf_dir else f"null (= {out})"
+    protected = [("the run directory (logging.run_dir)", Path(recipe.logging.run_dir))]
+    if config.dir:
+        protected.append(("checkpoint.dir", Path(config.dir)))
+    found = overlap(out, protected, inside=False)
+    if found is not None:
+        why = f"{found.describe(out)}; the export at the end of training replaces it whole and would delete it"
+        fix = f"choose a directory outside {'it' if found.relation == 'is' else found.path} (null: <checkpoint.dir>/hf)"
+        return [ConfigIssue("checkpoint.export_hf_dir", f"{shown} {why}: {fix}")]
+    if config.resume not in ("none", "auto"):
+        found = overlap(out, [("the checkpoint checkpoint.resume names", Path(config.resume))])
+        if found is not None:
+            why = f"{found.describe(out)}; the export must not replace or write into it"
+            return [ConfigIssue("checkpoint.export_hf_dir", f"{shown} {why}: choose a directory outside it")]
+    entry = checkpoint_entry(out, Path(config.dir)) if config.dir else None
+    if entry is not None:
+        return [
+            ConfigIssue(
+                "checkpoint.export_hf_dir",
+                f"{shown} is or lies inside {entry} of checkpoint.dir, where checkpoints are saved, pruned and "
+                "pointed to: choose another name (null: <checkpoint.dir>/hf)",
+            )
+        ]
+    refusal = replace_refusal(out)
+    if refusal is not None:
+        fix = "empty it or choose another directory" if out.is_dir() and not out.is_symlink() else "choose another"
+        return [ConfigIssue("checkpoint.export_hf_dir", f"{shown} {refusal}; {fix}")]
+    return []
 
 
 def check_compile_backend(recipe: RecipeConfig) -> list[ConfigIssue]:
@@ -117,6 +158,7 @@ def preflight(
     weights_readable = not issues
     issues += check_data_files(recipe, notes)
     issues += check_checkpoint_paths(recipe.checkpoint)
+    issues += check_export_dir(recipe)
     issues += check_writable_dirs(recipe)
     if check_env:
         if cuda_available is None:

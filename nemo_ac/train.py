@@ -4,7 +4,10 @@ recipe -> validate (before any process group) -> init dist -> build (nemo_ac.tra
 parallelize -> materialize -> freeze -> optimizer/data) -> restore -> loop -> export -> summary.
 
 SIGTERM / SIGINT: every rank finishes the current step, step N is saved (checkpoint.enabled), the summary written,
-one line printed, exit code 0; a second signal exits at once with 128 + signum (nemo_ac.trainer.stop).
+one line printed, exit code 0. A step boundary not reached within ``train.stop_deadline_s`` (a first step still
+compiling, weights still loading, a slow save), an error after the signal, or a second signal: rank 0 prints one
+line naming where the run was and the checkpoint that stands, and every rank exits 128 + signum
+(nemo_ac.trainer.stop).
 
 Errors are printed once: a recipe error by global rank 0 only (every rank finds the same one; the others exit with
 the same code, 2, silently); a crash under torchrun as one line by the failing rank, its traceback going to
@@ -33,13 +36,13 @@ from nemo_ac.models import build_model, model_dtype
 from nemo_ac.preflight import preflight
 from nemo_ac.trainer.build import build_trainer, build_training
 from nemo_ac.trainer.checkpoint import Checkpointer, TrainingState
-from nemo_ac.trainer.checkpoint_files import step_dir
+from nemo_ac.trainer.checkpoint_files import root_of, step_dir
 from nemo_ac.trainer.flops import device_peak, model_flops_per_token
 from nemo_ac.trainer.hf_weights import export_final_hf
 from nemo_ac.trainer.metric_backends import build_backends
 from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics, Throughput
 from nemo_ac.trainer.progress import echo
-from nemo_ac.trainer.stop import StopSignal, signal_name
+from nemo_ac.trainer.stop import StopSignal, signal_name, standing_checkpoint
 from nemo_ac.workarounds.rendezvous_shared_store import elastic_restart_hazard
 
 
@@ -68,7 +71,13 @@ def run(
     recipe: RecipeConfig, layout: ParallelLayout, env: DistEnv, stop: StopSignal | None = None
 ) -> list[StepMetrics]:
     """Build, restore, train, export, summarize. ``stop`` (installed by ``main``): a SIGTERM / SIGINT ends the
-    loop on every rank after the same step, which is then saved (``finish_on_signal``)."""
+    loop on every rank after the same step, which is then saved (``save_on_signal``), or ends the process at its
+    deadline; ``stop.enter`` keeps the phase its line names."""
+    watching = stop is not None
+    stop = stop if stop is not None else StopSignal()  # not installed: never signalled
+    resume_auto = recipe.checkpoint.resume == "auto"
+    stop.configure(standing=lambda: standing_checkpoint(root_of(recipe.checkpoint), resume_auto=resume_auto))
+    stop.enter("start-up (building the model, loading its weights)")
     setup = build_training(recipe, layout, device=env.device)
     model, plan = setup.model, setup.plan
     # Per-thread compile / recompile / graph-break counts in every step's metrics; warns on eager fallbacks.
@@ -96,6 +105,7 @@ def run(
         config=recipe.checkpoint, total_steps=recipe.train.steps, recipe=to_dict(recipe), device=env.device
     )
     state = TrainingState(model=model, optimizer=setup.optimizer, scheduler=setup.scheduler, data=setup.data)
+    stop.enter("start-up (restoring the checkpoint)")
     resumed_step = checkpointer.restore(state)
     logger = MetricsLogger(
         resumed_from_step=resumed_step,
@@ -125,11 +135,19 @@ def run(
             "cold inductor cache, seconds once TORCHINDUCTOR_CACHE_DIR holds it (README 'First run')"
         )
         compile_progress = CompileProgress(echo).install()
+        stop.configure(phase_detail=lambda: " (compiling)" if compile_progress.compiling() else "")
+
+    def step_end(step: int) -> None:
+        if checkpointer.should_save(step):
+            stop.enter(f"the checkpoint save of step {step}")
+        checkpointer.on_step_end(step, state)
+
     logger.start_progress()
     try:
         history = trainer.fit(
-            on_step_end=lambda step: checkpointer.on_step_end(step, state),
-            should_stop=(lambda: stop.agreed(env.device)) if stop is not None else None,
+            on_step_end=step_end,
+            should_stop=(lambda: stop.agreed(env.device)) if watching else None,
+            on_step_start=lambda step: stop.enter(f"step {step}"),
         )
     except BaseException:
         logger.close()  # end the bar's line: the error report must not start on it
@@ -137,7 +155,8 @@ def run(
     finally:
         if compile_progress is not None:
             compile_progress.close()
-    if stop is not None and stop.signum:
+    if stop.signum:
+        stop.enter(f"the checkpoint save of step {trainer.step}")
         message = save_on_signal(
             recipe,
             signum=stop.signum,
@@ -148,10 +167,10 @@ def run(
         )
         logger.event("stop", signal=signal_name(stop.signum), at_step=trainer.step)
         logger.summary({"resumed_from_step": resumed_step, "stopped_by": signal_name(stop.signum)})
-        if env.is_main:
-            echo(message, file=sys.stderr)
+        stop.finish(message if env.is_main else None, write=lambda line: echo(line, file=sys.stderr))
         return history
     if recipe.checkpoint.export_hf:
+        stop.enter("the Hugging Face export")
         exported = export_final_hf(model, config=recipe.checkpoint, recipe=recipe)
         if env.is_main:
             echo(f"export | Hugging Face checkpoint at step {trainer.step}: {exported}")
@@ -159,9 +178,16 @@ def run(
     if compile_accounting is not None:
         compile_accounting.close()
         summary_extra.update(compile_accounting.summary())
+    stop.enter("the run's summary")
     logger.summary(summary_extra or None)
     if compile_accounting is not None and env.is_main:
         echo(compile_accounting.report())
+    if stop.received:  # during the last step or after it: the run completed; its last step is saved as usual
+        saved = (
+            "checkpoint.enabled=false" if not recipe.checkpoint.enabled else step_dir(checkpointer.root, trainer.step)
+        )
+        line = f"nemo_ac: {signal_name(stop.received)} after the last step began: the run completed ({saved}); exiting"
+        stop.finish(line if env.is_main else None, write=lambda text: echo(text, file=sys.stderr))
     return history
 
 
@@ -208,6 +234,12 @@ def save_on_signal(
 MAX_ERROR_CHARS = 600  # of the one-line crash report; the error file has the whole message and traceback
 
 
+def one_line(exc: BaseException, *, limit: int) -> str:
+    """``exc``'s message on one line, cut at ``limit`` characters."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _rank() -> str:
     return os.environ.get("RANK", "0")
 
@@ -233,11 +265,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     hazard = elastic_restart_hazard()
     if hazard and _rank() == "0":
         print(f"nemo_ac WARNING: {hazard}", file=sys.stderr, flush=True)
-    stop = StopSignal().install()  # before the process group: a signal during start-up stops before step 1
+    # Before the process group: a signal during start-up stops before step 1, or at the deadline.
+    stop = StopSignal(deadline_s=recipe.train.stop_deadline_s).install()
     env = init_distributed(recipe.dist)
     try:
         run(recipe, layout, env, stop)
-    except BaseException:
+    except BaseException as exc:
+        if stop.received:  # a consequence of the stop (compile workers or a peer gone): the stop's one line, no crash
+            stop.exit_now(stop.received, reason=f"the run ended with {type(exc).__name__}: {one_line(exc, limit=200)}")
         destroy_distributed(synchronize=False)
         raise
     destroy_distributed()
@@ -254,9 +289,7 @@ def entry() -> int:
     except Exception as exc:
         if not error_file:
             raise
-        text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())  # a listed error: one line
-        if len(text) > MAX_ERROR_CHARS:
-            text = text[: MAX_ERROR_CHARS - 3] + "..."
+        text = one_line(exc, limit=MAX_ERROR_CHARS)  # a listed error: one line
         print(
             f"nemo_ac: rank {_rank()} failed: {type(exc).__name__}: {text} (traceback: torchrun's summary, {error_file})",
             file=sys.stderr,

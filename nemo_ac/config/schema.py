@@ -402,6 +402,10 @@ class TrainConfig:
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     # Stop (for fault-injection tests) by raising after this step; 0 disables.
     fail_after_step: int = 0
+    # Seconds a SIGTERM / SIGINT may take to reach the next step boundary (where the step is saved and the run exits
+    # 0); past it (a first step still compiling, a slow save) rank 0 prints which checkpoint stands and the ranks
+    # exit 128 + signum. Keep it under the launcher's grace before SIGKILL (torchrun: 30 s).
+    stop_deadline_s: float = 20.0
 
 
 @dataclass

@@ -252,6 +252,14 @@ def check_training(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
         issues.append(ConfigIssue("train.betas", f"{t.betas} must be two numbers in [0, 1)"))
     if not math.isfinite(t.grad_clip) or t.grad_clip < 0:
         issues.append(ConfigIssue("train.grad_clip", f"must be a finite number >= 0 (0 disables), got {t.grad_clip}"))
+    if not math.isfinite(t.stop_deadline_s) or t.stop_deadline_s <= 0:
+        issues.append(
+            ConfigIssue(
+                "train.stop_deadline_s",
+                f"must be a finite number of seconds > 0 (default 20, under torchrun's 30 s grace before SIGKILL), "
+                f"got {t.stop_deadline_s}",
+            )
+        )
     for key, spec in (("train.optimizer", t.optimizer), ("train.scheduler", t.scheduler)):
         issues.extend(check_target(key, spec, recipe.extensions.allow))
     return issues

@@ -81,6 +81,11 @@ class CompileProgress:
             for line in lines:
                 self.write(line)
 
+    def compiling(self) -> bool:
+        """True while a graph compiles on some thread (between Dynamo's start and end callbacks). Read without the
+        lock: the stop's line asks from a signal handler, which may have interrupted this thread holding it."""
+        return bool(self._open)
+
     def install(self) -> CompileProgress:
         self._handler = add_compile_callbacks(self._on_start, self._on_end)
         if self._handler is None:

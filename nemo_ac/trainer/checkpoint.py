@@ -41,11 +41,14 @@ from nemo_ac.trainer.optim import builtin_lr, rebase_schedule, schedule_changes
 from nemo_ac.trainer.progress import echo
 
 __all__ = [
+    "DCP_ERRORS",
     "CheckpointError",
     "CheckpointWarning",
     "Checkpointer",
     "TrainingState",
     "check_checkpoint_paths",
+    "describe_dcp_error",
+    "structural_mismatches",
 ]
 
 _MAX_LISTED = 8
@@ -97,15 +100,26 @@ def _gather(value: Any) -> list[Any]:
     return out
 
 
-def _describe(exc: BaseException) -> str:
-    """One line per failed rank for DCP's CheckpointException (a BaseException whose str is every traceback)."""
+# DCP raises ``CheckpointException``, a BaseException: ``except Exception`` misses it and it escapes as a raw
+# traceback (measured: ``nemo-ac export`` of a checkpoint of another model shape ended in ``CheckpointException``
+# ... ``Size mismatch between saved torch.Size([262, 32]) and current ...``). Every DCP call catches these.
+DCP_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
+
+
+def describe_dcp_error(exc: BaseException) -> str:
+    """One line for an error DCP raised: per failed rank, the inner error's type and message (a
+    CheckpointException's own str is every rank's traceback); any other error: its type and message."""
     if isinstance(exc, CheckpointException):
         parts = []
         for rank, failure in sorted(exc.failures.items()):
             inner = failure[0] if isinstance(failure, tuple) else failure
-            parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
+            parts.append(f"rank {rank}: {type(inner).__name__}: {_one_line(inner)}")
         return "; ".join(parts)
-    return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {_one_line(exc)}"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
 
 
 def _raise_from_main(error: str | None, *, headline: str) -> None:
@@ -150,12 +164,15 @@ def _iter_tensors(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str,
             yield name, value
 
 
-def _structural_mismatches(state: dict[str, Any], metadata: Metadata) -> list[str]:
-    """Model/optimizer tensors whose name, global shape or dtype differ from the checkpoint's (empty: compatible)."""
+def structural_mismatches(
+    state: dict[str, Any], metadata: Metadata, *, sections: tuple[str, ...] = ("model", "optim")
+) -> list[str]:
+    """Tensors of ``state``'s ``sections`` whose name, global shape or dtype differ from the checkpoint's, and
+    checkpoint tensors of those sections the state lacks (empty: compatible)."""
     saved = metadata.state_dict_metadata
     problems = []
     wanted = {}
-    for name, tensor in _iter_tensors({"model": state["model"], "optim": state["optim"]}):
+    for name, tensor in _iter_tensors({section: state[section] for section in sections}):
         wanted[name] = tensor
         entry = saved.get(name)
         if entry is None:
@@ -166,8 +183,9 @@ def _structural_mismatches(state: dict[str, Any], metadata: Metadata) -> list[st
             problems.append(f"'{name}': checkpoint shape {tuple(entry.size)}, model shape {tuple(tensor.shape)}")
         elif entry.properties.dtype != tensor.dtype:
             problems.append(f"'{name}': checkpoint dtype {entry.properties.dtype}, model dtype {tensor.dtype}")
+    prefixes = tuple("optim.state." if section == "optim" else f"{section}." for section in sections)
     for name, entry in saved.items():
-        tracked = isinstance(entry, TensorStorageMetadata) and name.startswith(("model.", "optim.state."))
+        tracked = isinstance(entry, TensorStorageMetadata) and name.startswith(prefixes)
         if tracked and name not in wanted:
             problems.append(f"'{name}' is in the checkpoint but not in this model/optimizer")
     return problems
@@ -251,8 +269,10 @@ class Checkpointer:
 
         try:
             dcp.save(self._state_dict(state, step), storage_writer=dcp.FileSystemWriter(str(tmp)))
-        except (Exception, CheckpointException) as exc:  # DCP raises a BaseException; never publish what failed
-            raise CheckpointError(f"checkpoint save of step {step} into {tmp} failed: {_describe(exc)}") from exc
+        except DCP_ERRORS as exc:  # never publish what failed
+            raise CheckpointError(
+                f"checkpoint save of step {step} into {tmp} failed: {describe_dcp_error(exc)}"
+            ) from exc
 
         names = sorted(p.name for p in tmp.iterdir() if p.is_file())
         mine = files.owned_files(names, rank=_rank(), world_size=_world_size())
@@ -350,7 +370,7 @@ class Checkpointer:
         reader = dcp.FileSystemReader(str(path))
         try:
             metadata = reader.read_metadata()
-        except Exception as exc:  # a pickle that passed its checksum but does not unpickle: a torch mismatch
+        except DCP_ERRORS as exc:  # a pickle that passed its checksum but does not unpickle: a torch mismatch
             raise CheckpointError(f"{path / files.DCP_METADATA}: cannot be read ({exc})") from exc
         step = int(manifest["step"])
         sd = self._state_dict(state, step)
@@ -359,7 +379,7 @@ class Checkpointer:
         rng_key = own if f"rng.{own}.cpu" in metadata.state_dict_metadata else fallback
         sd["rng"] = {rng_key: sd["rng"][own]}
 
-        mismatches = _structural_mismatches(sd, metadata)
+        mismatches = structural_mismatches(sd, metadata)
         if mismatches:
             hints = _config_differences(
                 manifest.get("recipe", {}).get("model", {}), self.recipe.get("model", {}), "model"
@@ -372,8 +392,8 @@ class Checkpointer:
             )
         try:
             dcp.load(sd, storage_reader=reader)
-        except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"checkpoint {path} could not be loaded: {_describe(exc)}") from exc
+        except DCP_ERRORS as exc:
+            raise CheckpointError(f"checkpoint {path} could not be loaded: {describe_dcp_error(exc)}") from exc
 
         loaded_step = int(sd["trainer"]["step"])
         if loaded_step != step or files.step_of(path) not in (None, step):

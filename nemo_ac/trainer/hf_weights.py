@@ -7,14 +7,16 @@ again on every rank right after the download, before any weight is read (``archi
 have been filled from a shipped snapshot or a cached copy. Fields that change neither the weights nor the math
 (``nemo_ac.config.pretrained.MAY_DIFFER``) may differ.
 
-Export (``export_final_hf``) writes into ``<dir>.partial`` and renames it over ``<dir>`` only when complete, so a
-crash never leaves a directory that mixes two exports' shards; tokenizer / processor files and
-generation_config.json come along (``nemo_ac.trainer.export``).
+Export (``export_final_hf``) writes into ``.<dir>.partial`` and renames it over ``<dir>`` only when complete, so a
+crash never leaves a directory that mixes two exports' shards; a failure removes the ``.partial`` and leaves the
+previous export as it was. Tokenizer / processor files and generation_config.json come along
+(``nemo_ac.trainer.export_files``), and ``nemo_ac_export.json`` marks the directory as an export, which a later one
+may replace (``nemo_ac.trainer.export_target``: where an export may go; the preflight checks
+``checkpoint.export_hf_dir`` against it).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from nemo_ac.models.hf.io import checkpoint_problems
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.trainer.checkpoint_files import root_of
 from nemo_ac.trainer.export_files import write_export_extras
+from nemo_ac.trainer.export_target import EXPORT_MARKER, marker_text, partial_of, swap_in
 
 __all__ = [
     "architecture_issues",
@@ -120,32 +123,42 @@ def export_final_hf(model: nn.Module, *, config: CheckpointConfig, recipe: Recip
     """Collective (every rank calls): the consolidated HF checkpoint of ``model`` at ``export_dir(config)``, with
     the tokenizer files and generation_config.json of ``recipe`` (when given)."""
     dtype = model_dtype(config.export_dtype) if config.export_dtype else None
-    return export_model_dir(model, export_dir(config), dtype=dtype, recipe=recipe)
+    return export_model_dir(model, export_dir(config), dtype=dtype, recipe=recipe, source="end of training")
 
 
 def export_model_dir(
-    model: nn.Module, out: Path, *, dtype: torch.dtype | None = None, recipe: RecipeConfig | None = None
+    model: nn.Module,
+    out: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    recipe: RecipeConfig | None = None,
+    source: str | None = None,
+    step: int | None = None,
 ) -> Path:
-    """Collective: ``model`` as an HF model directory at ``out``, written into ``.<out>.partial`` and renamed over
-    ``out`` only when complete. Rank 0 adds ``write_export_extras(recipe)`` (tokenizer, generation config)."""
-    partial = out.with_name(f".{out.name}.partial")
-    old = out.with_name(f".{out.name}.old")
+    """Collective: ``model`` as an HF model directory at ``out``, written into ``.<out>.partial`` and swapped in
+    only when complete (``export_target.swap_in``). Rank 0 adds ``write_export_extras(recipe)`` (tokenizer,
+    generation config) and the export marker (``source``, ``step``). Any failure, an interrupt included, removes
+    the ``.partial`` and leaves a previous export at ``out`` untouched. Where ``out`` may be is the callers'
+    check (``export_target``), made before anything is loaded."""
+    partial = partial_of(out)
     main = not dist.is_initialized() or dist.get_rank() == 0
-    if main:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.parent.mkdir(parents=True, exist_ok=True)
-    if dist.is_initialized():
-        dist.barrier()
-    export_hf_checkpoint(model, partial, dtype=dtype)  # rank 0 writes; ends with a barrier
-    if main:
-        if recipe is not None:
-            for line in write_export_extras(recipe, partial):
-                print(f"export | {line}", flush=True)
-        shutil.rmtree(old, ignore_errors=True)
-        if out.exists():
-            os.replace(out, old)
-        os.replace(partial, out)
-        shutil.rmtree(old, ignore_errors=True)
+    try:
+        if main:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.parent.mkdir(parents=True, exist_ok=True)
+        if dist.is_initialized():
+            dist.barrier()
+        export_hf_checkpoint(model, partial, dtype=dtype)  # rank 0 writes; ends with a barrier
+        if main:
+            if recipe is not None:
+                for line in write_export_extras(recipe, partial):
+                    print(f"export | {line}", flush=True)
+            (partial / EXPORT_MARKER).write_text(marker_text(source=source, step=step))
+            swap_in(partial, out)
+    except BaseException:
+        if main:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     if dist.is_initialized():
         dist.barrier()
     return out

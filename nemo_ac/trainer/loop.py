@@ -235,14 +235,18 @@ class Trainer:
         *,
         on_step_end: Callable[[int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        on_step_start: Callable[[int], None] | None = None,
     ) -> list[StepMetrics]:
         """Train from ``self.step`` (0, or the step a checkpoint restored) to ``options.steps``.
 
         ``should_stop`` is asked before each step (``StopSignal.agreed``: the same answer on every rank); True ends
-        the loop after the step already finished."""
+        the loop after the step already finished. ``on_step_start(step)`` is told each step about to run (the stop
+        deadline's line names it)."""
         while self.step < self.options.steps:
             if should_stop is not None and should_stop():
                 break
+            if on_step_start is not None:
+                on_step_start(self.step + 1)
             metrics = self.train_step()
             self.logger.log(metrics)
             if on_step_end is not None:

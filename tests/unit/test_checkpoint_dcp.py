@@ -3,7 +3,7 @@
 Proves, cheaply and in-process, what the functional tests prove across processes: a resumed run is bitwise the
 uninterrupted one (model, AdamW state, LR schedule, data position, RNG), keys carry no wrapper prefixes (a
 checkpoint saved with activation checkpointing loads without it), an interrupted save is skipped with a warning,
-and corrupt or incompatible checkpoints fail naming the file and the mismatch.
+and corrupt or incompatible checkpoints fail naming the file and the mismatch, DCP's own BaseException included.
 """
 
 from __future__ import annotations
@@ -13,13 +13,22 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_ac.config import load_recipe, to_dict, validate_recipe
 from nemo_ac.config.schema import CheckpointConfig
 from nemo_ac.trainer import checkpoint_files as files
 from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
-from nemo_ac.trainer.checkpoint import Checkpointer, CheckpointError, CheckpointWarning, TrainingState
+from nemo_ac.trainer.checkpoint import (
+    DCP_ERRORS,
+    Checkpointer,
+    CheckpointError,
+    CheckpointWarning,
+    TrainingState,
+    describe_dcp_error,
+)
 from nemo_ac.trainer.loop import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,3 +208,14 @@ def test_save_refuses_a_data_position_that_disagrees_with_the_step(tmp_path):
     with pytest.raises(CheckpointError, match=r"next_step=1 disagrees with the completed step 2"):
         run.checkpointer.save(2, run.state)
     assert not (tmp_path / "step_2").exists()
+
+
+def test_dcp_errors_are_caught_and_one_line(tmp_path) -> None:
+    """DCP's CheckpointException is a BaseException: ``except Exception`` let it escape as a traceback."""
+    dcp.save({"w": torch.zeros(262, 32)}, storage_writer=dcp.FileSystemWriter(str(tmp_path)))
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load({"w": torch.zeros(64, 32)}, storage_reader=dcp.FileSystemReader(str(tmp_path)))
+    assert not isinstance(caught.value, Exception) and isinstance(caught.value, DCP_ERRORS)
+    text = describe_dcp_error(caught.value)
+    assert "\n" not in text and text.startswith("rank 0: ") and "Size mismatch" in text, text
+    assert describe_dcp_error(ValueError("a\n  b")) == "ValueError: a b"

@@ -16,6 +16,7 @@ from nemo_ac.config.schema import CheckpointConfig
 from nemo_ac.models import build_model
 from nemo_ac.models.hf import hf_config_dict
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.trainer.export_target import EXPORT_MARKER, is_export_dir
 from nemo_ac.trainer.hf_weights import (
     architecture_issues,
     architecture_mismatches,
@@ -124,7 +125,8 @@ def test_export_replaces_the_previous_export_whole(tmp_path: Path) -> None:
     out.mkdir(parents=True)
     (out / "model-00001-of-00009.safetensors").write_text("a shard of an older, larger export")
     assert export_final_hf(model, config=config) == out
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", EXPORT_MARKER]
+    assert is_export_dir(out)  # a later export (or nemo-ac export without --force) may replace it
     assert not any(p.name.startswith(".") for p in (tmp_path / "ckpt").iterdir())
     exported = read_dir(out)
     assert exported["backbone.embeddings.weight"].dtype == torch.float32
