@@ -16,6 +16,8 @@ else. Checked on torch 2.13.0 and 2.14.1 (CI), where each of them is present as 
   dry run's counters forward, backward and recompute apart.
 - ``torch.distributed.distributed_c10d._resolve_process_group`` and ``ProcessGroup.unbox``: the process group of a
   functional / c10d collective op, to attribute its bytes to a mesh dimension.
+- ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` (the Python and the C++ fast-path caches) and the
+  propagator's tensor-meta cache, cleared around each fake process group (``clear_dtensor_caches``).
 - ``ShardingPropagator._propagate_tensor_meta_non_cached`` (``torch/distributed/tensor/_sharding_prop.py``): DTensor
   derives an op's output metadata by running it on fake tensors of the GLOBAL shape, under the ambient fake mode
   when there is one (``detect_fake_mode()``). Counted, those ops are allocations and FLOPs that never happen: a
@@ -51,11 +53,29 @@ def fake_process_group(*, rank: int, world_size: int) -> Iterator[None]:
     nothing; destroyed on exit. Refuses to replace a process group that is already up (a real run's)."""
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialized in this process; the dry run needs its own")
+    clear_dtensor_caches()
     dist.init_process_group(FAKE_BACKEND, rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        clear_dtensor_caches()
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's sharding-propagation caches. They are keyed by specs whose meshes compare by value, so after
+    a process group is destroyed and another made, a cached result hands back the old mesh, whose group names no
+    longer resolve (the second dry run of the same layout in one process failed with ``Could not resolve the process
+    group registered under the name 11``)."""
+    from torch.distributed.tensor import debug
+
+    clear_both = getattr(debug, "_clear_sharding_prop_cache", None)  # the Python and the C++ fast-path caches
+    if clear_both is not None:
+        clear_both()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    clear = getattr(propagator._propagate_tensor_meta_cached, "cache_clear", None)
+    if clear is not None:
+        clear()
 
 
 @contextlib.contextmanager

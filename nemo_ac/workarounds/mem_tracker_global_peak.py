@@ -8,6 +8,11 @@ of the GLM-4.5-Air recipe (46 blocks, each with its checkpoint wrapper and FSDP 
 Seen on torch 2.13.0 (``torch/distributed/_tools/mem_tracker.py``); the same loop is in 2.14.1 and 2.15.0.
 
 Also: ops of DTensor's sharding propagation (global-shape fake tensors, ``workarounds.fake_world``) pass untracked.
+And: entering and leaving, ``FSDPMemTracker`` removes FSDP2's forward hooks and registers its own (or FSDP's again)
+with ``prepend=True``, in front of nemo_ac's brackets around them (``workarounds.fsdp_hooks_in_sac``): FSDP's
+all-gather then runs inside the SAC region again, and a measured step of the tiny Nemotron recipe (explicit
+prefetch) failed with ``fsdp.all_gather_copy_in.default encountered during backward but not found in storage``. The
+subclass puts the brackets back around whatever hooks are in place after each of the two.
 
 Fix: ``GlobalPeakFSDPMemTracker`` overrides that one private method with its global half (the per-device peak and
 its breakdown, exactly as torch computes them) and calls ``on_new_peak`` whenever the peak grows; the per-module
@@ -36,6 +41,24 @@ class GlobalPeakFSDPMemTracker(FSDPMemTracker):
                  **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.on_new_peak = on_new_peak
+
+    def _rebracket(self) -> None:
+        from nemo_ac.workarounds.fsdp_hooks_in_sac import install_fsdp_hooks_outside_sac, remove_fsdp_hooks_outside_sac
+
+        if remove_fsdp_hooks_outside_sac(self._root_mod):
+            install_fsdp_hooks_outside_sac(self._root_mod)
+
+    def __enter__(self) -> GlobalPeakFSDPMemTracker:
+        outermost = self._depth == 0
+        super().__enter__()
+        if outermost:
+            self._rebracket()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        if self._depth == 0:
+            self._rebracket()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from nemo_ac.workarounds.fake_world import in_sharding_propagation
