@@ -237,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="full: every block; scaled: one block of each kind (plus one more of each) at real width, scaled to "
         "the real depth (faster; the report says so)",
     )
+    plan.add_argument("--rank", type=int, default=0, help="the rank to dry-run (default 0)")
+    plan.add_argument(
+        "--against",
+        default=None,
+        help="a directory of a measured step (torchrun ... -m nemo_ac.simulate.measure RECIPE --out DIR): compare "
+        "this rank's peak memory, FLOPs and collectives with it (runs every micro batch)",
+    )
     plan.add_argument("--sweep", action="store_true", help="rank the layouts that fit at this world size")
     plan.set_defaults(func=_plan)
 

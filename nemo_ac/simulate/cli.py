@@ -86,7 +86,8 @@ def run_plan(args: argparse.Namespace) -> int:
             world_size=args.world_size or 0,
             routing=RoutingAssumption(imbalance=args.imbalance),
             data=DataAssumption(doc_tokens=args.doc_tokens),
-            micro_batch_limit=micro_batch_limit(args.micro_batches),
+            micro_batch_limit=None if args.against else micro_batch_limit(args.micro_batches),
+            rank=args.rank,
         )
         if args.sweep:
             from nemo_ac.simulate.sweep import run_sweep
@@ -104,6 +105,30 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         report.write_json(args.json)
         print(f"plan | JSON written to {args.json}")
+    if args.against:
+        from nemo_ac.simulate.accuracy import compare, read_measured
+
+        try:
+            measured = read_measured(args.against, args.rank)
+        except (OSError, ValueError) as exc:
+            print(
+                f"nemo-ac plan: --against {args.against}: no measured step of rank {args.rank} ({exc})", file=sys.stderr
+            )
+            return 2
+        print(compare(simulation, measured).line())
+        walls = sorted(measured.get("step_wall_s") or [])
+        if walls:
+            e = report.estimates[0]
+            print(
+                f"against | step measured {walls[len(walls) // 2]:.3f} s (median of {len(walls)}) on "
+                f"{measured.get('device')}; estimated {e.step_s:.3f} s eager / {e.step_fused_s:.3f} s fused on {e.gpu}"
+            )
+        if measured.get("cuda_max_allocated_bytes"):
+            print(
+                f"against | torch.cuda.max_memory_allocated {measured['cuda_max_allocated_bytes']:,} B (the "
+                "allocator's own count, steps included); tracked peak of the measured step "
+                f"{measured['peak_bytes']:,} B"
+            )
     return 0
 
 

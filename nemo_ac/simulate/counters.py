@@ -177,7 +177,8 @@ class StepCounter(TorchDispatchMode):
         self.keep_costs = keep_costs
         self.counts = StepCounts()
         self.live_buffer_bytes = 0
-        self.last_op = "no op yet"  # named by a failure report
+        self.last_op = "no op yet"
+        self.failed_op = ""  # the first op that raised: named by a failure report
         self._buffers: dict[int, Any] = {}
         self._forced_phase: str | None = None
 
@@ -269,7 +270,11 @@ class StepCounter(TorchDispatchMode):
             return NotImplemented  # count the local ops DTensor runs (this rank's shards), as the memory tracker does
         kwargs = kwargs or {}
         self.last_op = str(func.overloadpacket)
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            self.failed_op = self.failed_op or self.last_op  # the innermost op raising (cleanup ops follow)
+            raise
         self.counts.ops += 1
         self._count(func, args, kwargs, out, self._phase())
         return out

@@ -206,7 +206,8 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
     with fake_process_group(rank=options.rank, world_size=layout.world_size):
         model, meshes, applied = build_parallel_model(sim_recipe, layout, device=torch.device("cpu"))
         if applied.applied is not None and applied.applied.offloader is not None:
-            applied.applied.offloader.accounting_host = "meta"  # offloaded copies leave the device's accounting
+            # On a GPU offloaded copies leave the device's memory; on a CPU run they stay in the same memory.
+            applied.applied.offloader.accounting_host = "meta" if device_type == "cuda" else "cpu"
         if meshes.ep_mesh is not None:
             install_assumed_routing(model, assumption=options.routing, ep_rank=meshes.ep_mesh.get_local_rank())
         fake = fake_tensor_mode()
@@ -248,7 +249,8 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         except (RuntimeError, NotImplementedError, TypeError, ValueError, AssertionError) as exc:
             first = " ".join(str(exc).split())[:400]
             raise SimulationError(
-                f"the fake step failed after {counter.counts.ops} ops, in {counter.last_op}: {type(exc).__name__}: "
+                f"the fake step failed after {counter.counts.ops} ops, in {counter.failed_op or counter.last_op}: "
+                f"{type(exc).__name__}: "
                 f"{first}"
             ) from exc
     if recipe.backend.dispatcher == "deepep" and layout.ep > 1:

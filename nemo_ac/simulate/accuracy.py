@@ -1,0 +1,68 @@
+"""A dry run held against a measured step of the same recipe (``nemo_ac.simulate.measure``'s ``rank<r>.json``).
+
+``nemo-ac plan RECIPE --against DIR`` prints it; the accuracy tests assert it. What is compared, for one rank:
+the tracked peak memory (the same tracker in fake and in real mode), the FLOPs per phase and their total against
+``FlopCounterMode`` over the real step, and every collective's calls and bytes per mesh dimension and op.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nemo_ac.simulate.measure import counts_as_dict
+from nemo_ac.simulate.run import Simulation
+
+
+@dataclass(frozen=True)
+class Comparison:
+    rank: int
+    predicted_peak: int
+    measured_peak: int
+    predicted_flops: int
+    measured_flops: int  # StepCounter over the real step
+    flop_counter_flops: int  # torch's FlopCounterMode over the real step
+    collectives_equal: bool
+    collective_differences: tuple[str, ...]
+
+    @property
+    def peak_ratio(self) -> float:
+        return self.predicted_peak / self.measured_peak if self.measured_peak else float("nan")
+
+    @property
+    def flops_ratio(self) -> float:
+        return self.predicted_flops / self.flop_counter_flops if self.flop_counter_flops else float("nan")
+
+    def line(self) -> str:
+        return (
+            f"against | rank {self.rank}: peak {self.predicted_peak:,} B predicted / {self.measured_peak:,} B measured "
+            f"= {self.peak_ratio:.4f} | FLOPs {self.predicted_flops:,} / FlopCounterMode {self.flop_counter_flops:,} "
+            f"= {self.flops_ratio:.4f} | collectives "
+            + ("equal" if self.collectives_equal else "DIFFER: " + "; ".join(self.collective_differences))
+        )
+
+
+def read_measured(directory: str | Path, rank: int) -> dict[str, Any]:
+    return json.loads((Path(directory) / f"rank{rank}.json").read_text())
+
+
+def compare(simulation: Simulation, measured: dict[str, Any]) -> Comparison:
+    """``simulation`` (one rank, every micro batch run) against that rank's measured step."""
+    predicted = counts_as_dict(simulation.measurement.counts)
+    differences = []
+    for key in sorted(set(predicted["collectives"]) | set(measured["collectives"])):
+        mine, theirs = predicted["collectives"].get(key), measured["collectives"].get(key)
+        if mine != theirs:
+            differences.append(f"{key}: predicted {mine}, measured {theirs}")
+    return Comparison(
+        rank=int(measured["rank"]),
+        predicted_peak=simulation.measurement.peak.peak_bytes,
+        measured_peak=int(measured["peak_bytes"]),
+        predicted_flops=sum(predicted["flops"].values()),
+        measured_flops=sum(measured["flops"].values()),
+        flop_counter_flops=int(measured["flop_counter_total"]),
+        collectives_equal=not differences,
+        collective_differences=tuple(differences),
+    )

@@ -1,0 +1,126 @@
+"""The dry run's measurement twin: one real training step counted the same way, to check a plan against.
+
+    torchrun --nproc-per-node N -m nemo_ac.simulate.measure RECIPE --out DIR [key=value ...]
+
+Every rank builds the run exactly as ``nemo_ac.train`` does (real process group, real weights), starts like a later
+step (``start_like_a_later_step``), then runs one step of ``Trainer.accumulate`` / ``update`` over all of its micro
+batches of step 1 under the same counters as ``nemo-ac plan`` (``StepCounter`` and the memory tracker), the same
+micro batches once more under torch's ``FlopCounterMode`` alone, and writes ``DIR/rank<r>.json``. Then it times ``--timed-steps`` more steps
+without any counter (wall clock, synchronized on CUDA), the number an estimated step time is compared with.
+
+The accuracy tests run it on gloo beside ``simulate`` on the same recipe (``tests/functional/test_plan_accuracy.py``);
+``benchmarks/gpu_check.sh`` runs it on a GPU beside ``nemo-ac plan``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from nemo_ac.distributed.env import destroy_distributed, exit_process, init_distributed, world_size_from_env
+from nemo_ac.preflight import preflight
+from nemo_ac.simulate.counters import StepCounter, StepCounts
+from nemo_ac.simulate.memory import PeakSampler
+from nemo_ac.simulate.run import mesh_group_labels
+from nemo_ac.simulate.step import measure_step, start_like_a_later_step
+from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
+from nemo_ac.trainer.loop import count_tokens
+from nemo_ac.workarounds.fake_world import dtensor_propagation_marked
+
+
+def counts_as_dict(counts: StepCounts) -> dict[str, Any]:
+    """The counts both sides of an accuracy check compare (JSON-able)."""
+    return {
+        "flops": dict(counts.flops),
+        "without_formula": dict(counts.without_formula),
+        "collectives": {
+            f"{dim}|{kind}|{int(hidden)}": {
+                "calls": r.calls,
+                "wire_bytes": r.wire_bytes,
+                "payload_bytes": r.payload_bytes,
+            }
+            for (dim, kind, hidden), r in sorted(counts.collectives.items())
+        },
+    }
+
+
+def measure(recipe_path: str, overrides: Sequence[str], *, out: Path, timed_steps: int) -> dict[str, Any]:
+    checked = preflight(recipe_path, overrides, world_size=world_size_from_env(), check_env=True)
+    recipe, layout = checked.recipe, checked.layout
+    env = init_distributed(recipe.dist)
+    try:
+        setup = build_training(recipe, layout, device=env.device)
+        trainer = build_trainer(setup, logger=quiet_logger(setup.recipe))
+        prepared = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(0)]
+        tokens = int(trainer._all_reduce([count_tokens(prepared)[0]])[0])
+        hold = len(prepared) > 1 and not trainer.options.reduce_grads_on_last_micro_batch_only
+        start_like_a_later_step(trainer, hold_gradients=hold)
+        counter = StepCounter(group_labels=mesh_group_labels(setup.meshes))
+        sampler = PeakSampler(setup.model, setup.optimizer, device_type=env.device.type, context=counter.buffer_state)
+        with dtensor_propagation_marked(), sampler, counter:
+            measured = measure_step(
+                trainer, prepared, global_tokens=tokens, counter=counter, sampler=sampler, micro_batch_limit=None
+            )
+        # torch's own count over the same micro batches, in a pass of its own: FlopCounterMode keeps tensors alive
+        # longer (its module hooks), which moved the tracked peak of the tiny Qwen3 MoE step from 3.1 to 7.2 MB.
+        with dtensor_propagation_marked(), FlopCounterMode(display=False) as flop_counter:
+            trainer.accumulate(prepared, global_tokens=tokens)
+            trainer.update()
+        walls = []
+        for step in range(1, timed_steps + 1):
+            batches = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(step)]
+            step_tokens = int(trainer._all_reduce([count_tokens(batches)[0]])[0])
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+            started = time.perf_counter()
+            trainer.accumulate(batches, global_tokens=step_tokens)
+            trainer.update()
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+            walls.append(time.perf_counter() - started)
+        result = {
+            "recipe": recipe.name,
+            "rank": env.rank,
+            "world_size": env.world_size,
+            "device": str(env.device),
+            "peak_bytes": measured.peak.peak_bytes,
+            "terms": measured.peak.terms,
+            "phase_at_peak": measured.peak.phase_at_peak,
+            "flop_counter_total": int(flop_counter.get_total_flops()),
+            "micro_batches": measured.micro_batches_per_step,
+            "step_wall_s": walls,
+            "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(env.device)
+            if env.device.type == "cuda"
+            else None,
+            **counts_as_dict(measured.counts),
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1) + "\n")
+        return result
+    finally:
+        destroy_distributed()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nemo_ac.simulate.measure", description=__doc__.splitlines()[0])
+    parser.add_argument("recipe")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--timed-steps", type=int, default=0)
+    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    unknown = [item for item in overrides if item.startswith("-") or "=" not in item]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like section.key=value)")
+    measure(args.recipe, overrides, out=args.out, timed_steps=args.timed_steps)
+    return 0
+
+
+if __name__ == "__main__":
+    exit_process(main())
