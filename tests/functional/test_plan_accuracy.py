@@ -1,0 +1,64 @@
+"""The dry run against real gloo runs of the same step: the four tiny recipes at their own layouts, HSDP 2x2 and
+ring cp2, every rank. Per rank: predicted peak within 10% of the measured one (the same tracker, FSDPMemTracker, in
+real mode), predicted FLOPs within 1% of FlopCounterMode over the real step, collective bytes exactly equal.
+
+Both sides run with ``model.moe.force_balanced_routing`` (the dry run's default routing assumption, so expert
+parallel moves the same rows) and without torch.compile (the dry run counts the eager op stream).
+``benchmarks/plan_accuracy.py`` prints the same comparison as a table.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nemo_ac.config import load_recipe, validate_recipe
+from nemo_ac.simulate.accuracy import compare, read_measured
+from nemo_ac.simulate.run import SimulationOptions, simulate
+from tests.launch import RECIPES, child_env, torchrun_command
+
+pytestmark = pytest.mark.functional
+
+COMMON = ["dist.device=cpu", "model.moe.force_balanced_routing=true", "compile.enabled=false"]
+CASES = {
+    "qwen3_moe_tiny": ("tiny/qwen3_moe_tiny.yaml", 2, []),
+    "glm_4_5_air_tiny": ("tiny/glm_4_5_air_tiny.yaml", 2, []),
+    "nemotron_super_v3_tiny": ("tiny/nemotron_super_v3_tiny.yaml", 2, []),
+    "qwen3_6_medpix_tiny": ("tiny/qwen3_6_medpix_tiny.yaml", 4, []),
+    "qwen3_moe_tiny_hsdp_2x2": ("tiny/qwen3_moe_tiny.yaml", 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
+    "qwen3_moe_tiny_ring_cp2": ("tiny/qwen3_moe_tiny.yaml", 2, ["parallel.cp=2", "parallel.cp_type=ring"]),
+}
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One real step of every case (``nemo_ac.simulate.measure``), one torchrun launch each."""
+    root = tmp_path_factory.mktemp("measured")
+    out = {}
+    for name, (recipe, nproc, overrides) in CASES.items():
+        directory = root / name
+        command = torchrun_command(
+            nproc,
+            ["-m", "nemo_ac.simulate.measure", str(RECIPES / recipe), "--out", str(directory), *COMMON, *overrides],
+        )
+        done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=600, cwd=root)
+        assert done.returncode == 0, f"{name}: measured run failed:\n{(done.stdout + done.stderr)[-4000:]}"
+        out[name] = directory
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_dry_run_predicts_every_rank_of_the_real_step(name: str, measured: dict[str, Path]) -> None:
+    recipe_path, nproc, overrides = CASES[name]
+    recipe = load_recipe(RECIPES / recipe_path, [*COMMON, *overrides])
+    layout = validate_recipe(recipe, world_size=nproc)
+    for rank in range(nproc):
+        simulation = simulate(recipe, layout, SimulationOptions(world_size=nproc, micro_batch_limit=None, rank=rank))
+        result = compare(simulation, read_measured(measured[name], rank))
+        print(result.line())
+        assert abs(result.peak_ratio - 1) <= 0.10, result.line()
+        assert result.measured_flops == result.flop_counter_flops  # nemo_ac's count is FlopCounterMode's
+        assert abs(result.flops_ratio - 1) <= 0.01, result.line()
+        assert result.collectives_equal, result.line()

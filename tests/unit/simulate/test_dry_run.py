@@ -1,0 +1,112 @@
+"""``nemo-ac plan`` end to end in one process: a tiny recipe and each flagship at real width, bad input as one line.
+
+The flagships run with ``--depth scaled`` (one block of each kind at real width, plus one more of each): the
+full-depth runs take a minute each, measured in docs/planning.md; the scaled numbers are checked against a full-depth
+run here on GLM-4.5-Air's memory terms that grow exactly with depth.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_ac.cli import main as cli
+from nemo_ac.config import load_recipe, validate_recipe
+from nemo_ac.simulate.routing import RoutingAssumption
+from nemo_ac.simulate.run import SimulationError, SimulationOptions, simulate
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = str(ROOT / "recipes/tiny/qwen3_moe_tiny.yaml")
+FLAGSHIPS = {
+    "qwen3_6": (ROOT / "recipes/qwen3_6_35b_medpix_ep8cp2_4k.yaml", 8),
+    "nemotron": (ROOT / "recipes/nemotron_super_v3_te_deepep.yaml", 64),
+    "glm": (ROOT / "recipes/glm_4_5_air_cp4_ulysses.yaml", 16),
+}
+
+
+def test_tiny_plan_prints_every_section_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "plan.json"
+    assert cli(["plan", TINY, "--world-size", "2", "--gpu", "h100-80gb", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for head in ("memory | peak", "flops |", "comm | ", "estimate | h100-80gb: step", "assumes |", "dry run |"):
+        assert head in text, head
+    report = json.loads(out.read_text())
+    assert report["world_size"] == 2 and report["memory"]["peak_bytes"] > 0
+    assert report["flops"]["total"] == sum(
+        report["flops"][p] for p in ("forward", "backward", "recompute", "optimizer")
+    )
+    assert report["estimates"][0]["estimate"] is True and report["estimates"][0]["fits"] is True
+    assert report["ops_without_formula"] == {}
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        (["--world-size", "2", "--gpu", "v100-16gb"], "--gpu"),
+        (["--world-size", "3", "parallel.dp_shard=2"], "parallel"),
+        (["--world-size", "2", "--imbalance", "0.5", "parallel.ep=2"], "--imbalance"),
+        (["--world-size", "2", "--micro-batches", "zero"], "--micro-batches"),
+        ([], "--world-size"),  # dp_shard -1: the recipe fixes no world size
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], key: str, capsys: pytest.CaptureFixture) -> None:
+    assert cli(["plan", TINY, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and key in err, err
+
+
+@torch.library.custom_op("nemo_ac_test::fails_under_fake", mutates_args=())
+def _fails(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_fails.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("this op's fake rule cannot say its output shape")
+
+
+def test_a_fake_mode_failure_inside_a_custom_op_names_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nemo_ac.models.common import attention
+
+    tiled = attention.ATTENTION_OPS["tiled"]
+    monkeypatch.setitem(
+        attention.ATTENTION_OPS, "tiled", lambda q, k, v, attn, scale=None: tiled(_fails(q), k, v, attn)
+    )
+    recipe = load_recipe(TINY, ["dist.device=cpu"])
+    layout = validate_recipe(recipe, world_size=2)
+    with pytest.raises(SimulationError, match=r"in nemo_ac_test\.fails_under_fake: RuntimeError: this op's fake rule"):
+        simulate(recipe, layout, SimulationOptions(world_size=2))
+
+
+def test_routing_assumption_counts() -> None:
+    balanced = RoutingAssumption().expert_counts(rows=10, num_experts=4)
+    assert balanced == [3, 3, 2, 2]  # round robin: what force_balanced_routing routes
+    hot = RoutingAssumption(imbalance=2.0).expert_counts(rows=400, num_experts=8)
+    assert hot[0] == 100 and sum(hot) == 400 and max(hot[1:]) - min(hot[1:]) <= 1
+
+
+def test_validate_gpu_refuses_a_recipe_that_does_not_fit(capsys: pytest.CaptureFixture) -> None:
+    """GLM-4.5-Air at 16 ranks needs ~124 GiB per rank (fp32 master weights, gradients, AdamW state and foreach
+    AdamW's temporaries): it fits an H200, not an H100; the refusal names the largest term and its keys."""
+    path, world = FLAGSHIPS["glm"]
+    assert cli(["validate", str(path), "--world-size", str(world), "--gpu", "h100-80gb"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpu" in err and "exceeds" in err and "optimizer states" in err and "parallel.dp_shard" in err
+    assert cli(["validate", str(path), "--world-size", str(world), "--gpu", "h200-141gb"]) == 0
+    assert "memory | fits h200-141gb" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(FLAGSHIPS))
+def test_each_flagship_plans_at_real_width(name: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path, world = FLAGSHIPS[name]
+    out = tmp_path / "plan.json"
+    assert cli(["plan", str(path), "--world-size", str(world), "--depth", "scaled", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    assert "depth scaled" in text and report["ops_without_formula"] == {}
+    assert report["memory"]["terms_bytes"]["optimizer states"] > 2**30  # real widths: GiB per rank
+    assert report["flops"]["forward"] > 1e13 and report["collectives"]
+    assert {e["gpu"] for e in report["estimates"]} == {"h100-80gb", "h200-141gb"}
