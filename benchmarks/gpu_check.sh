@@ -6,7 +6,10 @@
 # 3. the CUDA-only kernels that are installed (Transformer Engine, DeepEP) are named, and absent ones said so;
 # 4. the packed-attention kernels on CUDA: FlexAttention (compiled, fwd + bwd) and the tiled op against SDPA;
 # 5. the mixer kernels (fla, mamba-ssm) against the torch ops (tests/unit/test_mixer_kernels_cuda.py; skips say why),
-#    and, where installed, the tiny Qwen3.6 / Nemotron recipes trained on them (steps 1 keep the torch ops).
+#    and, where installed, the tiny Qwen3.6 / Nemotron recipes trained on them (steps 1 keep the torch ops);
+# 6. nemo-ac plan against a measured step on this GPU: a mid-size MoE (1.3B parameters, 4k rows, bf16) measured by
+#    nemo_ac.simulate.measure (tracked peak, torch.cuda.max_memory_allocated, 3 timed steps), then its dry run
+#    --against it: the memory prediction and the step-time estimate checked on a real GPU.
 # Every step runs under its own timeout and the script goes on after a failure; its exit status counts failures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +52,15 @@ step tiny_qwen3_6_medpix 180 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo
 step tiny_nemotron 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.train \
   recipes/tiny/nemotron_super_v3_tiny.yaml "${GPU[@]}" parallel.ep=1 logging.run_dir="$OUT/nemotron" \
   logging.progress_bar=never
+MID=(dist.backend=nccl dist.device=cuda parallel.fsdp.param_dtype=bfloat16 model.moe.force_balanced_routing=true
+  model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16 model.num_key_value_heads=4 model.head_dim=128
+  model.vocab_size=32000 model.moe.num_experts=64 model.moe.num_experts_per_tok=8 model.moe.moe_intermediate_size=768
+  data.seq_len=4096 data.max_doc_tokens=400 train.micro_batch_size=1 train.global_batch_size=2)
+step measure_mid_moe 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.simulate.measure \
+  recipes/tiny/qwen3_moe_tiny.yaml --out "$OUT/measure_mid" --timed-steps 3 "${MID[@]}"
+step plan_against_measured 150 "$PY" -m nemo_ac.cli plan recipes/tiny/qwen3_moe_tiny.yaml --world-size 1 \
+  --gpu h200-141gb --against "$OUT/measure_mid" "${MID[@]}"
+grep -E "^against" "$OUT/plan_against_measured.log"
 step attention_kernels_cuda 120 "$PY" benchmarks/attention_kernels_cuda.py
 step mixer_kernels_cuda 120 "$PY" -m pytest -q -rs tests/unit/test_mixer_kernels_cuda.py
 installed() { "$PY" -c "import importlib.util, sys; sys.exit(not all(importlib.util.find_spec(m) for m in sys.argv[1:]))" "$@"; }
