@@ -7,6 +7,7 @@ the layout cannot use, or a step that fails under fake tensors (``SimulationErro
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -78,6 +79,9 @@ def dry_run(
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    # DTensor warns once per HSDP gradient-norm reduction that it runs two all-reduces: true of the real run too,
+    # counted in the plan's collectives, and not this command's output.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     try:
         gpus = gpu_specs(args.gpu)
         if args.doc_tokens is not None and args.doc_tokens < 1:

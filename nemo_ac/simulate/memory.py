@@ -80,8 +80,11 @@ def _device_totals(snapshot: dict[Any, dict[Any, int]], device_type: str) -> dic
 
 
 class PeakSampler:
-    """Owns the tracker (torch's, keeping only its global peak: ``workarounds.mem_tracker_global_peak``) and records
-    the breakdown at each new peak, with the live communication buffers and the phase ``context()`` reports then."""
+    """Owns the tracker (torch's, keeping only its global peak: ``workarounds.mem_tracker_global_peak``) and keeps
+    the peak of each phase (forward, backward, recompute, optimizer) with its breakdown and the live communication
+    buffers ``context()`` reports then; ``peak`` is the largest of them. Per phase, because a depth-scaled dry run
+    scales each phase's peak on its own: where the peak falls can move with depth (GLM-4.5-Air: backward at 2
+    blocks, the optimizer step at 46)."""
 
     def __init__(
         self,
@@ -93,10 +96,17 @@ class PeakSampler:
     ) -> None:
         from nemo_ac.workarounds.mem_tracker_global_peak import GlobalPeakFSDPMemTracker
 
-        self.tracker = GlobalPeakFSDPMemTracker(model, optimizer, on_new_peak=self._on_new_peak)
+        self.tracker = GlobalPeakFSDPMemTracker(model, optimizer, on_update=self._on_update)
         self.device_type = device_type
         self.context = context
-        self.peak = PeakMemory()
+        self.optimizer = optimizer
+        self.phase_peaks: dict[str, PeakMemory] = {}
+
+    @property
+    def peak(self) -> PeakMemory:
+        if not self.phase_peaks:
+            return PeakMemory()
+        return max(self.phase_peaks.values(), key=lambda p: p.peak_bytes)
 
     def __enter__(self) -> PeakSampler:
         self.tracker.__enter__()
@@ -111,22 +121,49 @@ class PeakSampler:
     def after_micro_batch(self) -> None:
         self.tracker.reset_mod_stats()
 
-    def _on_new_peak(self, snapshot: dict[Any, dict[Any, int]]) -> None:
-        current = _device_totals(snapshot, self.device_type)
-        total = current.get("Total", 0)
-        if total <= self.peak.peak_bytes:
-            return
+    def _on_update(self, snapshot: dict[Any, dict[Any, int]]) -> None:
+        total = sum(
+            categories.get("Total", 0)
+            for device, categories in snapshot.items()
+            if torch.device(device).type == self.device_type
+        )
         comm_bytes, phase = self.context()
+        best = self.phase_peaks.get(phase)
+        if best is not None and total <= best.peak_bytes:
+            return
         terms: dict[str, int] = {}
-        for name, value in current.items():
+        for name, value in _device_totals(snapshot, self.device_type).items():
             if name != "Total":
                 term = TERMS.get(name, name)
                 terms[term] = terms.get(term, 0) + value
-        self.peak.peak_bytes = total
-        self.peak.terms = terms
-        self.peak.comm_bytes_at_peak = comm_bytes
-        self.peak.phase_at_peak = phase
+        # The tracker files everything the optimizer step allocates as optimizer state; what exceeds the state
+        # tensors themselves are the step's temporaries (foreach AdamW: a copy of exp_avg_sq's square root).
+        states = optimizer_state_bytes(self.optimizer, self.device_type)
+        if terms.get("optimizer states", 0) > states:
+            terms["optimizer step temporaries"] = terms["optimizer states"] - states
+            terms["optimizer states"] = states
+        self.phase_peaks[phase] = PeakMemory(
+            peak_bytes=total, terms=terms, comm_bytes_at_peak=comm_bytes, phase_at_peak=phase
+        )
 
     def tracker_peak_bytes(self) -> int:
         """The tracker's own peak (equal to ``peak.peak_bytes``: both see every op)."""
         return _device_totals(self.tracker.get_tracker_snapshot("peak"), self.device_type).get("Total", 0)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:
+    """Bytes of this rank's optimizer state tensors on ``device_type`` (local shards of DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if not isinstance(value, torch.Tensor):
+                continue
+            local = value.to_local() if isinstance(value, DTensor) else value
+            storage = local.untyped_storage()
+            if local.device.type == device_type and id(storage) not in seen:
+                seen.add(id(storage))
+                total += storage.nbytes()
+    return total

@@ -3,9 +3,11 @@
 A model's blocks come in a few kinds (nemotron_h: Mamba-2, MoE, attention, dense; qwen3_5_moe: Gated DeltaNet and
 attention, each with MoE, plus vision blocks; glm4_moe / qwen3_moe: dense first layers, then MoE). The base run
 keeps one block of each kind, in the order they first appear; one more run per kind adds a second block of it.
-Every counted quantity (each memory term at the peak, FLOPs per phase, collective calls and bytes, each op of the
-roofline) is then ``base + sum_k (n_k - 1) * (run_k - base)``: exact for what grows block by block (parameters,
-gradients, optimizer states, FLOPs, bytes), an approximation for the peak when where it falls moves with depth.
+Every counted quantity (each memory term at the peak of each phase, FLOPs per phase, collective calls and bytes,
+each op of the roofline) is then ``base + sum_k (n_k - 1) * (run_k - base)``, and the peak is the largest scaled
+phase peak: exact for what grows block by block (parameters, gradients, optimizer states, FLOPs, bytes), an
+approximation for activations held at a peak. Transient terms (FSDP buffers, gathered parameters, temporaries) are
+one block's whatever the depth: they keep the largest value a run saw (``GROWS_WITH_DEPTH``).
 The report says the numbers are scaled and from how many blocks.
 """
 
@@ -56,18 +58,28 @@ def with_blocks(model: ModelConfig, kinds: list[str]) -> ModelConfig:
     return dataclasses.replace(model, **changes)
 
 
+# Terms that grow block by block: scaled. The others are transient and as large as one block's (buffers of the FSDP
+# unit in flight, the gathered parameters of one or two units, a block's backward temporaries, the logits): kept at
+# the largest any run saw.
+GROWS_WITH_DEPTH = frozenset(
+    {"parameters", "gradients", "optimizer states", "optimizer step temporaries", "activations", "inputs"}
+)
+
+
 def _scale_peak(base: PeakMemory, extra: list[tuple[PeakMemory, int]]) -> PeakMemory:
     terms = dict(base.terms)
-    peak = base.peak_bytes
     comm = base.comm_bytes_at_peak
     for run, times in extra:
-        peak += times * (run.peak_bytes - base.peak_bytes)
         comm += times * (run.comm_bytes_at_peak - base.comm_bytes_at_peak)
         for term in set(terms) | set(run.terms):
-            terms[term] = terms.get(term, 0) + times * (run.terms.get(term, 0) - base.terms.get(term, 0))
+            if term in GROWS_WITH_DEPTH:
+                terms[term] = terms.get(term, 0) + times * (run.terms.get(term, 0) - base.terms.get(term, 0))
+            else:
+                terms[term] = max(terms.get(term, 0), run.terms.get(term, 0))
+    terms = {k: max(v, 0) for k, v in terms.items()}
     return PeakMemory(
-        peak_bytes=peak,
-        terms={k: max(v, 0) for k, v in terms.items()},
+        peak_bytes=sum(terms.values()),
+        terms=terms,
         comm_bytes_at_peak=max(comm, 0),
         phase_at_peak=base.phase_at_peak,
         hand_added=list(base.hand_added),
@@ -88,11 +100,16 @@ def simulate_scaled(recipe: RecipeConfig, layout: ParallelLayout, options: Simul
     b = base.measurement
     parts = [(b.counts, 1 - sum(times for _, times in runs))]
     parts += [(run.measurement.counts, times) for run, times in runs]
+    phase_peaks = {
+        phase: _scale_peak(peak, [(run.measurement.phase_peaks.get(phase, peak), times) for run, times in runs])
+        for phase, peak in b.phase_peaks.items()
+    }
     measurement = StepMeasurement(
         counts=combine(parts),
-        peak=_scale_peak(b.peak, [(run.measurement.peak, times) for run, times in runs]),
+        peak=max(phase_peaks.values(), key=lambda p: p.peak_bytes) if phase_peaks else b.peak,
         micro_batches_run=b.micro_batches_run,
         micro_batches_per_step=b.micro_batches_per_step,
+        phase_peaks=phase_peaks,
     )
     described = ", ".join(f"{counts[kind]} x {kind}" for kind in order)
     full = simulate_plan_only(recipe, layout)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ class StepMeasurement:
     peak: PeakMemory
     micro_batches_run: int
     micro_batches_per_step: int
+    phase_peaks: dict[str, PeakMemory] = field(default_factory=dict)  # the peak of each phase (depth scaling)
 
 
 def combine(parts: Sequence[tuple[StepCounts, int]]) -> StepCounts:
@@ -109,5 +110,9 @@ def measure_step(
     if run < total:
         parts.append((segments[-1], total - run))
     return StepMeasurement(
-        counts=combine(parts), peak=sampler.peak, micro_batches_run=run, micro_batches_per_step=total
+        counts=combine(parts),
+        peak=sampler.peak,
+        micro_batches_run=run,
+        micro_batches_per_step=total,
+        phase_peaks=dict(sampler.phase_peaks),
     )

@@ -18,7 +18,7 @@ from nemo_ac.config.errors import ConfigError
 from nemo_ac.config.schema import RecipeConfig
 from nemo_ac.config.validate import validate_recipe
 from nemo_ac.simulate.gpus import GpuSpec
-from nemo_ac.simulate.report import PlanReport
+from nemo_ac.simulate.report import PlanReport, seconds, size
 from nemo_ac.simulate.run import SimulationError, SimulationOptions
 from nemo_ac.simulate.scaled import simulate_scaled
 
@@ -97,8 +97,8 @@ def run_sweep(args: argparse.Namespace, *, gpus: list[GpuSpec], options: Simulat
     for rank, c in enumerate(fitting, 1):
         e, f = c.report.estimates[0], c.report.fits[0]  # type: ignore[union-attr]
         print(
-            f"sweep | {rank:2d}. {c.label:<46} step {e.step_s:8.2f} s  MFU {e.mfu:5.1%}  peak "
-            f"{f.peak_bytes / 2**30:6.1f} GiB" + ("  <- the recipe" if c.own else "")
+            f"sweep | {rank:2d}. {c.label:<48} step {seconds(e.step_s):>10}  MFU {e.mfu:5.1%}  peak "
+            f"{size(f.peak_bytes):>11}" + ("  <- the recipe" if c.own else "")
         )
     for c in candidates:
         if c in fitting:
@@ -111,5 +111,5 @@ def run_sweep(args: argparse.Namespace, *, gpus: list[GpuSpec], options: Simulat
                 if not f.fits
             ]
             why = "does not fit: " + ", ".join(over)
-        print(f"sweep |  -  {c.label:<46} {why}" + ("  <- the recipe" if c.own else ""))
+        print(f"sweep |  -  {c.label:<48} {why}" + ("  <- the recipe" if c.own else ""))
     return 0

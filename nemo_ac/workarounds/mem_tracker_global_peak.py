@@ -15,8 +15,9 @@ prefetch) failed with ``fsdp.all_gather_copy_in.default encountered during backw
 subclass puts the brackets back around whatever hooks are in place after each of the two.
 
 Fix: ``GlobalPeakFSDPMemTracker`` overrides that one private method with its global half (the per-device peak and
-its breakdown, exactly as torch computes them) and calls ``on_new_peak`` whenever the peak grows; the per-module
-peaks, which nemo_ac never reads, are not kept. Everything else (categories, FSDP instrumentation, optimizer hooks)
+its breakdown, exactly as torch computes them) and calls ``on_update`` after each op; the per-module
+peaks, which nemo_ac never reads, are not kept; ``on_update`` lets a caller keep what it needs (nemo_ac: the peak of
+each phase). Everything else (categories, FSDP instrumentation, optimizer hooks)
 is torch's. A test runs both trackers over the same step and compares their global peaks and breakdowns.
 
 Upstream: none filed. Delete when: ``MemTracker`` offers a global-only mode or makes the per-module update
@@ -35,12 +36,13 @@ _TOTAL = "Total"
 
 
 class GlobalPeakFSDPMemTracker(FSDPMemTracker):
-    """``FSDPMemTracker`` keeping only the global peak; ``on_new_peak(snapshot)`` runs when it grows."""
+    """``FSDPMemTracker`` keeping only the global peak; ``on_update(snapshot)`` sees the current snapshot after
+    every op (not a copy: read it, do not keep it)."""
 
-    def __init__(self, *args: Any, on_new_peak: Callable[[dict[Any, dict[Any, int]]], None] | None = None,
+    def __init__(self, *args: Any, on_update: Callable[[dict[Any, dict[Any, int]]], None] | None = None,
                  **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
-        self.on_new_peak = on_new_peak
+        self.on_update = on_update
 
     def _rebracket(self) -> None:
         from nemo_ac.workarounds.fsdp_hooks_in_sac import install_fsdp_hooks_outside_sac, remove_fsdp_hooks_outside_sac
@@ -68,12 +70,10 @@ class GlobalPeakFSDPMemTracker(FSDPMemTracker):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        grew = False
         for dev, dev_snap in self._curr_mem_snap.items():
             total = dev_snap.get(_TOTAL, 0)  # mem_tracker._TOTAL_KEY
             if self._peak_mem.get(dev, 0) < total:
                 self._peak_mem[dev] = total
                 self._peak_mem_snap[dev] = deepcopy(dev_snap)
-                grew = True
-        if grew and self.on_new_peak is not None:
-            self.on_new_peak(self._curr_mem_snap)
+        if self.on_update is not None:
+            self.on_update(self._curr_mem_snap)
