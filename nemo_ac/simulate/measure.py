@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from nemo_ac.distributed.env import destroy_distributed, exit_process, init_distributed, world_size_from_env
+from nemo_ac.config.schema import RecipeConfig
+from nemo_ac.config.validate import ParallelLayout
+from nemo_ac.distributed.env import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env
 from nemo_ac.preflight import preflight
 from nemo_ac.simulate.counters import StepCounter, StepCounts
 from nemo_ac.simulate.memory import PeakSampler
@@ -53,60 +55,66 @@ def counts_as_dict(counts: StepCounts) -> dict[str, Any]:
 
 
 def measure(recipe_path: str, overrides: Sequence[str], *, out: Path, timed_steps: int) -> dict[str, Any]:
+    """Preflight, process group, ``measure_step_of``, teardown (the command)."""
     checked = preflight(recipe_path, overrides, world_size=world_size_from_env(), check_env=True)
-    recipe, layout = checked.recipe, checked.layout
-    env = init_distributed(recipe.dist)
+    env = init_distributed(checked.recipe.dist)
     try:
-        setup = build_training(recipe, layout, device=env.device)
-        trainer = build_trainer(setup, logger=quiet_logger(setup.recipe))
-        prepared = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(0)]
-        tokens = int(trainer._all_reduce([count_tokens(prepared)[0]])[0])
-        hold = len(prepared) > 1 and not trainer.options.reduce_grads_on_last_micro_batch_only
-        start_like_a_later_step(trainer, hold_gradients=hold)
-        counter = StepCounter(group_labels=mesh_group_labels(setup.meshes))
-        sampler = PeakSampler(setup.model, setup.optimizer, device_type=env.device.type, context=counter.buffer_state)
-        with dtensor_propagation_marked(), sampler, counter:
-            measured = measure_step(
-                trainer, prepared, global_tokens=tokens, counter=counter, sampler=sampler, micro_batch_limit=None
-            )
-        # torch's own count over the same micro batches, in a pass of its own: FlopCounterMode keeps tensors alive
-        # longer (its module hooks), which moved the tracked peak of the tiny Qwen3 MoE step from 3.1 to 7.2 MB.
-        with dtensor_propagation_marked(), FlopCounterMode(display=False) as flop_counter:
-            trainer.accumulate(prepared, global_tokens=tokens)
-            trainer.update()
-        walls = []
-        for step in range(1, timed_steps + 1):
-            batches = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(step)]
-            step_tokens = int(trainer._all_reduce([count_tokens(batches)[0]])[0])
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)
-            started = time.perf_counter()
-            trainer.accumulate(batches, global_tokens=step_tokens)
-            trainer.update()
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)
-            walls.append(time.perf_counter() - started)
-        result = {
-            "recipe": recipe.name,
-            "rank": env.rank,
-            "world_size": env.world_size,
-            "device": str(env.device),
-            "peak_bytes": measured.peak.peak_bytes,
-            "terms": measured.peak.terms,
-            "phase_at_peak": measured.peak.phase_at_peak,
-            "flop_counter_total": int(flop_counter.get_total_flops()),
-            "micro_batches": measured.micro_batches_per_step,
-            "step_wall_s": walls,
-            "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(env.device)
-            if env.device.type == "cuda"
-            else None,
-            **counts_as_dict(measured.counts),
-        }
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1) + "\n")
-        return result
+        return measure_step_of(checked.recipe, checked.layout, env=env, out=out, timed_steps=timed_steps)
     finally:
         destroy_distributed()
+
+
+def measure_step_of(
+    recipe: RecipeConfig, layout: ParallelLayout, *, env: DistEnv, out: Path, timed_steps: int = 0
+) -> dict[str, Any]:
+    """One counted step of ``recipe`` in the process group that is up (module docstring); writes this rank's JSON.
+    Several recipes may be measured in turn in one process group (the accuracy tests do)."""
+    setup = build_training(recipe, layout, device=env.device)
+    trainer = build_trainer(setup, logger=quiet_logger(setup.recipe))
+    prepared = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(0)]
+    tokens = int(trainer._all_reduce([count_tokens(prepared)[0]])[0])
+    hold = len(prepared) > 1 and not trainer.options.reduce_grads_on_last_micro_batch_only
+    start_like_a_later_step(trainer, hold_gradients=hold)
+    counter = StepCounter(group_labels=mesh_group_labels(setup.meshes))
+    sampler = PeakSampler(setup.model, setup.optimizer, device_type=env.device.type, context=counter.buffer_state)
+    with dtensor_propagation_marked(), sampler, counter:
+        measured = measure_step(
+            trainer, prepared, global_tokens=tokens, counter=counter, sampler=sampler, micro_batch_limit=None
+        )
+    # torch's own count over the same micro batches, in a pass of its own: FlopCounterMode keeps tensors alive
+    # longer (its module hooks), which moved the tracked peak of the tiny Qwen3 MoE step from 3.1 to 7.2 MB.
+    with dtensor_propagation_marked(), FlopCounterMode(display=False) as flop_counter:
+        trainer.accumulate(prepared, global_tokens=tokens)
+        trainer.update()
+    walls = []
+    for step in range(1, timed_steps + 1):
+        batches = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(step)]
+        step_tokens = int(trainer._all_reduce([count_tokens(batches)[0]])[0])
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)
+        started = time.perf_counter()
+        trainer.accumulate(batches, global_tokens=step_tokens)
+        trainer.update()
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)
+        walls.append(time.perf_counter() - started)
+    result = {
+        "recipe": recipe.name,
+        "rank": env.rank,
+        "world_size": env.world_size,
+        "device": str(env.device),
+        "peak_bytes": measured.peak.peak_bytes,
+        "terms": measured.peak.terms,
+        "phase_at_peak": measured.peak.phase_at_peak,
+        "flop_counter_total": int(flop_counter.get_total_flops()),
+        "micro_batches": measured.micro_batches_per_step,
+        "step_wall_s": walls,
+        "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else None,
+        **counts_as_dict(measured.counts),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -100,6 +100,7 @@ class PeakSampler:
         self.device_type = device_type
         self.context = context
         self.optimizer = optimizer
+        self._state_bytes: int | None = None
         self.phase_peaks: dict[str, PeakMemory] = {}
 
     @property
@@ -123,9 +124,7 @@ class PeakSampler:
 
     def _on_update(self, snapshot: dict[Any, dict[Any, int]]) -> None:
         total = sum(
-            categories.get("Total", 0)
-            for device, categories in snapshot.items()
-            if torch.device(device).type == self.device_type
+            categories.get("Total", 0) for device, categories in snapshot.items() if device.type == self.device_type
         )
         comm_bytes, phase = self.context()
         best = self.phase_peaks.get(phase)
@@ -138,7 +137,9 @@ class PeakSampler:
                 terms[term] = terms.get(term, 0) + value
         # The tracker files everything the optimizer step allocates as optimizer state; what exceeds the state
         # tensors themselves are the step's temporaries (foreach AdamW: a copy of exp_avg_sq's square root).
-        states = optimizer_state_bytes(self.optimizer, self.device_type)
+        if self._state_bytes is None:  # the states exist before the tracked step and keep their size
+            self._state_bytes = optimizer_state_bytes(self.optimizer, self.device_type)
+        states = self._state_bytes
         if terms.get("optimizer states", 0) > states:
             terms["optimizer step temporaries"] = terms["optimizer states"] - states
             terms["optimizer states"] = states
