@@ -1,5 +1,5 @@
 """The dry run against real gloo runs of the same step: the four tiny recipes at their own layouts, HSDP 2x2 and
-ring cp2, every rank. Per rank: predicted peak within 10% of the measured one (the same tracker, FSDPMemTracker, in
+ring cp2, the first and the last rank (every rank: ``benchmarks/plan_accuracy.py``). Per rank: predicted peak within 10% of the measured one (the same tracker, FSDPMemTracker, in
 real mode), predicted FLOPs within 1% of FlopCounterMode over the real step, collective bytes exactly equal.
 
 Both sides run with ``model.moe.force_balanced_routing`` (the dry run's default routing assumption, so expert
@@ -9,6 +9,7 @@ parallel moves the same rows) and without torch.compile (the dry run counts the 
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -32,20 +33,25 @@ CASES = {
 }
 
 
+WORKER = Path(__file__).parent / "workers" / "plan_accuracy.py"
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One real step of every case (``nemo_ac.simulate.measure``), one torchrun launch each."""
+    """One real step of every case (``nemo_ac.simulate.measure``'s), one torchrun launch per world size."""
     root = tmp_path_factory.mktemp("measured")
-    out = {}
-    for name, (recipe, nproc, overrides) in CASES.items():
-        directory = root / name
-        command = torchrun_command(
-            nproc,
-            ["-m", "nemo_ac.simulate.measure", str(RECIPES / recipe), "--out", str(directory), *COMMON, *overrides],
-        )
-        done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=600, cwd=root)
-        assert done.returncode == 0, f"{name}: measured run failed:\n{(done.stdout + done.stderr)[-4000:]}"
-        out[name] = directory
+    out = {name: root / name for name in CASES}
+    for nproc in sorted({nproc for _, nproc, _ in CASES.values()}):
+        cases = [
+            {"recipe": str(RECIPES / recipe), "overrides": [*COMMON, *overrides], "out": str(out[name])}
+            for name, (recipe, n, overrides) in CASES.items()
+            if n == nproc
+        ]
+        listing = root / f"cases_{nproc}.json"
+        listing.write_text(json.dumps(cases))
+        command = torchrun_command(nproc, [str(WORKER), str(listing)])
+        done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900, cwd=root)
+        assert done.returncode == 0, f"{nproc} ranks: measured runs failed:\n{(done.stdout + done.stderr)[-4000:]}"
     return out
 
 
@@ -54,7 +60,7 @@ def test_the_dry_run_predicts_every_rank_of_the_real_step(name: str, measured: d
     recipe_path, nproc, overrides = CASES[name]
     recipe = load_recipe(RECIPES / recipe_path, [*COMMON, *overrides])
     layout = validate_recipe(recipe, world_size=nproc)
-    for rank in range(nproc):
+    for rank in sorted({0, nproc - 1}):  # every rank: benchmarks/plan_accuracy.py
         simulation = simulate(recipe, layout, SimulationOptions(world_size=nproc, micro_batch_limit=None, rank=rank))
         result = compare(simulation, read_measured(measured[name], rank))
         print(result.line())
