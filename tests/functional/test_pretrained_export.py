@@ -109,6 +109,7 @@ def test_pretrained_dir_trains_and_exports_to_transformers(tmp_path: Path, capsy
         "config.json",
         "generation_config.json",
         "model.safetensors",
+        "nemo_ac_export.json",  # the marker that lets a later export replace this directory (docs/checkpoints.md)
         "tokenizer.json",
         "tokenizer_config.json",
     ]
