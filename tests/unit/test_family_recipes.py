@@ -70,6 +70,9 @@ def test_full_architectures_add_up_to_the_published_sizes() -> None:
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_tiny_recipe_keeps_the_structure(name: str) -> None:
     full, tiny = load_recipe(RECIPES / name), load_recipe(RECIPES / "tiny" / TINY[name])
+    # Differences on purpose, each named in the tiny recipe's header: Nemotron's full recipe runs full AC (selective
+    # needs ~137 GiB per rank at its size), the tiny one keeps selective (the layout the SAC tests exercise).
+    on_purpose = {("nemotron_super_v3_te_deepep.yaml", "activation_checkpointing.mode")}
     validate_recipe(tiny, world_size=2)
     for section, keys in {
         "model": ("family", "qk_norm", "attention_bias", "first_k_dense_replace", "partial_rotary_factor"),
@@ -81,7 +84,8 @@ def test_tiny_recipe_keeps_the_structure(name: str) -> None:
         for part in section.split("."):
             f, t = getattr(f, part), getattr(t, part)
         for key in keys:
-            assert getattr(t, key) == getattr(f, key), f"{section}.{key}"
+            if (name, f"{section}.{key}") not in on_purpose:
+                assert getattr(t, key) == getattr(f, key), f"{section}.{key}"
     assert (tiny.parallel.cp > 1) == (full.parallel.cp > 1) and (tiny.parallel.ep > 1) == (full.parallel.ep > 1)
     assert bool(tiny.model.moe.latent_size) == bool(full.model.moe.latent_size)
     assert set(tiny.model.layer_pattern) == set(full.model.layer_pattern)
