@@ -23,6 +23,14 @@ from nemo_ac.simulate.run import Simulation, SimulationError, SimulationOptions,
 DEFAULT_GPUS = ("h100-80gb", "h200-141gb")
 
 
+def one_line(exc: ConfigError) -> str:
+    """A problem with the command's own arguments (``--gpu``, ``--imbalance``, ...) in one line; recipe problems in
+    the recipe error's usual form."""
+    if len(exc.issues) == 1 and exc.issues[0].key.startswith("--"):
+        return str(exc.issues[0])
+    return str(exc)
+
+
 def recipe_world_size(recipe: RecipeConfig) -> int | None:
     """The world size a recipe fixes by itself (every degree given), else None."""
     par = recipe.parallel
@@ -99,7 +107,7 @@ def run_plan(args: argparse.Namespace) -> int:
             return run_sweep(args, gpus=gpus, options=options)
         simulation = dry_run(args.recipe, args.overrides, world_size=args.world_size, options=options, depth=args.depth)
     except ConfigError as exc:
-        print(f"nemo-ac plan: {exc}", file=sys.stderr)
+        print(f"nemo-ac plan: {one_line(exc)}", file=sys.stderr)
         return 2
     except SimulationError as exc:
         print(f"nemo-ac plan: {exc}", file=sys.stderr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 from nemo_ac.config.errors import ConfigError
@@ -77,8 +78,13 @@ def run_sweep(args: argparse.Namespace, *, gpus: list[GpuSpec], options: Simulat
 
     try:
         base = dry_run(args.recipe, args.overrides, world_size=args.world_size, options=options, depth="scaled")
-    except (ConfigError, SimulationError) as exc:
-        print(f"nemo-ac plan: {exc}")
+    except ConfigError as exc:
+        from nemo_ac.simulate.cli import one_line
+
+        print(f"nemo-ac plan: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except SimulationError as exc:
+        print(f"nemo-ac plan: {exc}", file=sys.stderr)
         return 2
     world = base.layout.world_size
     candidates = neighbours(base.recipe)

@@ -58,6 +58,8 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], key: str, capsys: pyt
     assert cli(["plan", TINY, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and key in err, err
+    if key.startswith("--"):  # the command's own arguments: one line
+        assert "\n" not in err and err.startswith(f"nemo-ac plan: {key}"), err
 
 
 @torch.library.custom_op("nemo_ac_test::fails_under_fake", mutates_args=())
