@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nemo_ac.config.schema import DataConfig, VisionConfig
+from nemo_ac.config.schema import DataConfig, RecipeConfig, VisionConfig
 from nemo_ac.config.targets import instantiate
 from nemo_ac.data.loader import SyntheticBatches
 from nemo_ac.data.medpix import MedPixBatches
@@ -71,3 +71,19 @@ def build_batches(
     if data_cfg.kind != "synthetic":
         raise ValueError(f"data.kind: unknown {data_cfg.kind!r}; use synthetic, medpix or text")
     return SyntheticBatches(data_cfg, vocab_size=vocab_size, **rows)
+
+
+def recipe_batches(recipe: RecipeConfig, *, dp_rank: int, dp_size: int) -> Any:
+    """``build_batches`` with every argument taken from ``recipe``: the batch source of one dp rank of a run (the
+    trainer's) or of its dry run (``nemo_ac.simulate``)."""
+    return build_batches(
+        recipe.data,
+        vocab_size=recipe.model.vocab_size,
+        vision=recipe.model.vision,
+        global_batch_size=recipe.train.global_batch_size,
+        micro_batch_size=recipe.train.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=recipe.train.seed,
+        extensions=recipe.extensions.allow,
+    )

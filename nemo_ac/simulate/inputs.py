@@ -16,7 +16,6 @@ import torch
 
 from nemo_ac.config.schema import RecipeConfig
 from nemo_ac.data.batch import IGNORE_INDEX, PackedBatch
-from nemo_ac.data.sources import build_batches
 
 
 @dataclass(frozen=True)
@@ -60,21 +59,6 @@ def reads_offline(recipe: RecipeConfig) -> bool:
     if data.kind == "medpix":
         return data.path is not None and (data.path.startswith("synthetic") or Path(data.path).exists())
     return data.path is not None and Path(data.path).exists()
-
-
-def recipe_batches(recipe: RecipeConfig, *, dp_rank: int, dp_size: int) -> object:
-    """The recipe's own batch source for this dp rank (``build_batches``)."""
-    return build_batches(
-        recipe.data,
-        vocab_size=recipe.model.vocab_size,
-        vision=recipe.model.vision,
-        global_batch_size=recipe.train.global_batch_size,
-        micro_batch_size=recipe.train.micro_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        seed=recipe.train.seed,
-        extensions=recipe.extensions.allow,
-    )
 
 
 def _image_tokens(recipe: RecipeConfig) -> tuple[int, tuple[int, int, int]]:

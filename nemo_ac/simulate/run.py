@@ -27,11 +27,12 @@ from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.config.schema import RecipeConfig
 from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.data.batch import PackedBatch
+from nemo_ac.data.sources import recipe_batches
 from nemo_ac.distributed.mesh import ParallelMeshes
 from nemo_ac.distributed.plan import ParallelPlan
 from nemo_ac.models.freeze import freeze
 from nemo_ac.simulate.counters import WORLD, StepCounter
-from nemo_ac.simulate.inputs import DataAssumption, reads_offline, recipe_batches, standin_micro_batches
+from nemo_ac.simulate.inputs import DataAssumption, reads_offline, standin_micro_batches
 from nemo_ac.simulate.memory import HandAdded, PeakSampler
 from nemo_ac.simulate.routing import RoutingAssumption, install_assumed_routing
 from nemo_ac.simulate.step import StepMeasurement, measure_step, start_like_a_later_step

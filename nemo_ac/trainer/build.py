@@ -19,7 +19,7 @@ from torch import nn
 
 from nemo_ac.config import RecipeConfig
 from nemo_ac.config.validate import ParallelLayout
-from nemo_ac.data.sources import build_batches
+from nemo_ac.data.sources import recipe_batches
 from nemo_ac.distributed.mesh import ParallelMeshes, build_meshes
 from nemo_ac.distributed.parallelize import parallelize
 from nemo_ac.distributed.plan import ParallelPlan, decide_plan
@@ -125,17 +125,7 @@ def build_training(recipe: RecipeConfig, layout: ParallelLayout, *, device: torc
     frozen = freeze(model, **switches) if any(switches.values()) else {}
     optimizer = build_optimizer(model, recipe.train, extensions=recipe.extensions.allow)
     scheduler = build_scheduler(optimizer, recipe.train, extensions=recipe.extensions.allow)
-    data = build_batches(
-        recipe.data,
-        vocab_size=recipe.model.vocab_size,
-        vision=recipe.model.vision,
-        global_batch_size=recipe.train.global_batch_size,
-        micro_batch_size=recipe.train.micro_batch_size,
-        dp_rank=meshes.dp_rank,
-        dp_size=meshes.dp_size,
-        seed=recipe.train.seed,
-        extensions=recipe.extensions.allow,
-    )
+    data = recipe_batches(recipe, dp_rank=meshes.dp_rank, dp_size=meshes.dp_size)
     return TrainingSetup(
         recipe=recipe,
         layout=layout,
