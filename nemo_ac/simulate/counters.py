@@ -137,7 +137,6 @@ class OpCost:
 @dataclass
 class StepCounts:
     flops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
-    flops_by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     costs: list[OpCost] = field(default_factory=list)
     collectives: dict[tuple[str, str, bool], CollectiveRecord] = field(default_factory=dict)
     without_formula: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -152,12 +151,6 @@ class StepCounts:
         """Forward and backward, without the recompute and the optimizer: what MFU divides."""
         return self.flops["forward"] + self.flops["backward"]
 
-    def wire_bytes_by_dim(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for (dim, _, _), record in self.collectives.items():
-            out[dim] += record.wire_bytes
-        return dict(out)
-
 
 class StepCounter(TorchDispatchMode):
     """The dispatch mode (see the module docstring). ``group_labels``: process group name -> mesh dimension label;
@@ -167,14 +160,12 @@ class StepCounter(TorchDispatchMode):
         self,
         *,
         group_labels: dict[str, str] | None = None,
-        keep_costs: bool = True,
     ) -> None:
         """The outputs of the model's functional collectives (EP all-to-all, CP exchanges) are kept as live
         "communication buffer" bytes (FSDP's own buffers the memory tracker names itself); ``buffer_state()``
         reports them with the phase."""
         super().__init__()
         self.group_labels = dict(group_labels or {})
-        self.keep_costs = keep_costs
         self.counts = StepCounts()
         self.live_buffer_bytes = 0
         self.last_op = "no op yet"
@@ -295,11 +286,10 @@ class StepCounter(TorchDispatchMode):
         if formula is not None:
             flops = int(formula(*args, **kwargs, out_val=out))
             self.counts.flops[phase] += flops
-            self.counts.flops_by_op[str(packet)] += flops
         elif needs_formula(func):
             self.counts.without_formula[str(packet)] += 1
         outputs = _tensors(out)
-        if self.keep_costs and outputs and packet.__name__ not in _FREE_PACKETS:  # no tensor out: metadata only
+        if outputs and packet.__name__ not in _FREE_PACKETS:  # no tensor out: metadata only
             inputs = _tensors((args, kwargs))
             moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
             floating = [t for t in inputs if t.is_floating_point()]

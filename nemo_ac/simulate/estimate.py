@@ -30,7 +30,6 @@ from nemo_ac.simulate.gpus import COLLECTIVE_LATENCY_S, HBM_EFFICIENCY, LINK_EFF
 class StepEstimate:
     gpu: str
     compute_s: float  # every op of the eager stream on the roofline
-    compute_bound_s: float  # the part of compute_s spent in ops limited by FLOPs
     compute_fused_s: float  # only ops that do FLOPs (matmuls, attention, kernels): every elementwise op fused away
     comm_s: dict[str, float] = field(default_factory=dict)  # mesh dimension -> seconds
     overlapped_s: float = 0.0
@@ -86,7 +85,7 @@ def collective_seconds(record: CollectiveRecord, kind: str, *, gpu: GpuSpec) -> 
 def estimate_step(counts: StepCounts, *, gpu: GpuSpec) -> StepEstimate:
     """The estimate for one rank's counted step (module docstring)."""
     hbm = gpu.hbm_bytes_per_s * HBM_EFFICIENCY
-    compute = bound = fused = 0.0
+    compute = fused = 0.0
     by_op: dict[str, float] = {}
     for cost in counts.costs:
         flop_s = cost.flops / (gpu.matmul_flops(cost.bits) * MATMUL_EFFICIENCY) if cost.flops else 0.0
@@ -96,8 +95,6 @@ def estimate_step(counts: StepCounts, *, gpu: GpuSpec) -> StepEstimate:
         by_op[cost.name] = by_op.get(cost.name, 0.0) + seconds
         if cost.flops:
             fused += seconds
-        if flop_s >= byte_s and flop_s > 0:
-            bound += cost.weight * flop_s
     per_dim: dict[str, float] = {}
     overlapped = exposed = 0.0
     for (dim, kind, hidden), record in counts.collectives.items():
@@ -110,7 +107,6 @@ def estimate_step(counts: StepCounts, *, gpu: GpuSpec) -> StepEstimate:
     return StepEstimate(
         gpu=gpu.name,
         compute_s=compute,
-        compute_bound_s=bound,
         compute_fused_s=fused,
         comm_s=per_dim,
         overlapped_s=overlapped,

@@ -116,9 +116,6 @@ class PeakSampler:
     def __exit__(self, *exc: Any) -> None:
         self.tracker.__exit__(*exc)
 
-    def track_inputs(self, inputs: tuple[Any, ...]) -> None:
-        self.tracker.track_inputs(inputs)
-
     def after_micro_batch(self) -> None:
         self.tracker.reset_mod_stats()
 
@@ -146,10 +143,6 @@ class PeakSampler:
         self.phase_peaks[phase] = PeakMemory(
             peak_bytes=total, terms=terms, comm_bytes_at_peak=comm_bytes, phase_at_peak=phase
         )
-
-    def tracker_peak_bytes(self) -> int:
-        """The tracker's own peak (equal to ``peak.peak_bytes``: both see every op)."""
-        return _device_totals(self.tracker.get_tracker_snapshot("peak"), self.device_type).get("Total", 0)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:

@@ -37,7 +37,14 @@ from nemo_ac.simulate.memory import HandAdded, PeakSampler
 from nemo_ac.simulate.routing import RoutingAssumption, install_assumed_routing
 from nemo_ac.simulate.step import StepMeasurement, measure_step, start_like_a_later_step
 from nemo_ac.trainer.batching import make_batch_preparer
-from nemo_ac.trainer.build import TrainingSetup, build_parallel_model, build_trainer, choose_kernels, plan_recipe
+from nemo_ac.trainer.build import (
+    TrainingSetup,
+    build_parallel_model,
+    build_trainer,
+    choose_kernels,
+    plan_recipe,
+    quiet_logger,
+)
 from nemo_ac.trainer.loop import count_tokens
 from nemo_ac.trainer.optim import build_optimizer, build_scheduler
 from nemo_ac.workarounds.fake_world import (
@@ -191,12 +198,18 @@ def _micro_batches(
     return batches + batches[-1:] * (per_step - built), options.data.describe(recipe)
 
 
+def target_plan(recipe: RecipeConfig, layout: ParallelLayout) -> tuple[RecipeConfig, ParallelPlan, str, list[str]]:
+    """The plan the recipe gets on its own device (``auto`` GPU kernels resolved, ``with_gpu_kernels``): the recipe
+    with them, the plan, the device type and the kernel notes. What the report prints, full depth or scaled."""
+    device_type = target_device_type(recipe)
+    recipe, kernel_notes = with_gpu_kernels(recipe, layout, device_type=device_type)
+    return recipe, plan_recipe(recipe, layout, device_type=device_type), device_type, kernel_notes
+
+
 def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOptions) -> Simulation:
     """The dry run of ``recipe`` at ``layout`` (module docstring). Raises ``SimulationError`` naming what failed."""
     started = time.perf_counter()
-    device_type = target_device_type(recipe)
-    recipe, kernel_notes = with_gpu_kernels(recipe, layout, device_type=device_type)
-    plan = plan_recipe(recipe, layout, device_type=device_type)
+    recipe, plan, device_type, kernel_notes = target_plan(recipe, layout)
     target, _ = choose_kernels(recipe, device=torch.device(device_type))
     sim_recipe, stand_ins = simulation_recipe(target, device_type=device_type)
     if layout.ep > 1:
@@ -224,8 +237,6 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
             recipe=sim_recipe, layout=layout, meshes=meshes, device=torch.device("cpu"), model=model,
             optimizer=optimizer, scheduler=scheduler, data=None, weights="fake", frozen=frozen, plan=plan,
         )  # fmt: skip
-        from nemo_ac.trainer.build import quiet_logger
-
         trainer = build_trainer(setup, logger=quiet_logger(sim_recipe))
         preparer = make_batch_preparer(cp=layout.cp, cp_rank=meshes.cp_rank, cp_type=sim_recipe.parallel.cp_type)
         prepared = [preparer(batch) for batch in batches]

@@ -20,7 +20,7 @@ from collections import Counter
 from nemo_ac.config.schema import ModelConfig, RecipeConfig
 from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.simulate.memory import PeakMemory
-from nemo_ac.simulate.run import Simulation, SimulationOptions, simulate
+from nemo_ac.simulate.run import Simulation, SimulationOptions, simulate, target_plan
 from nemo_ac.simulate.step import StepMeasurement, combine
 
 VISION = "vision block"
@@ -112,7 +112,7 @@ def simulate_scaled(recipe: RecipeConfig, layout: ParallelLayout, options: Simul
         phase_peaks=phase_peaks,
     )
     described = ", ".join(f"{counts[kind]} x {kind}" for kind in order)
-    full = simulate_plan_only(recipe, layout)
+    _, full, _, _ = target_plan(recipe, layout)
     return dataclasses.replace(
         base,
         recipe=recipe,
@@ -127,11 +127,3 @@ def simulate_scaled(recipe: RecipeConfig, layout: ParallelLayout, options: Simul
         wall_s=time.perf_counter() - started,
         peak_rss_bytes=max([base.peak_rss_bytes, *(run.peak_rss_bytes for run, _ in runs)]),
     )
-
-
-def simulate_plan_only(recipe: RecipeConfig, layout: ParallelLayout):  # type: ignore[no-untyped-def]
-    """The full-depth plan the report prints (decided on the model on meta; cheap)."""
-    from nemo_ac.simulate.run import target_device_type
-    from nemo_ac.trainer.build import plan_recipe
-
-    return plan_recipe(recipe, layout, device_type=target_device_type(recipe))

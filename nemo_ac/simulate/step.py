@@ -43,8 +43,6 @@ def combine(parts: Sequence[tuple[StepCounts, int]]) -> StepCounts:
         out.ops += part.ops * times
         for phase, value in part.flops.items():
             out.flops[phase] += value * times
-        for name, value in part.flops_by_op.items():
-            out.flops_by_op[name] += value * times
         for name, value in part.without_formula.items():
             out.without_formula[name] += value * times
         for key, record in part.collectives.items():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from dataclasses import dataclass
 
 from nemo_ac.config.errors import ConfigError
@@ -76,16 +75,8 @@ def neighbours(recipe: RecipeConfig) -> list[Candidate]:
 def run_sweep(args: argparse.Namespace, *, gpus: list[GpuSpec], options: SimulationOptions) -> int:
     from nemo_ac.simulate.cli import dry_run
 
-    try:
-        base = dry_run(args.recipe, args.overrides, world_size=args.world_size, options=options, depth="scaled")
-    except ConfigError as exc:
-        from nemo_ac.simulate.cli import one_line
-
-        print(f"nemo-ac plan: {one_line(exc)}", file=sys.stderr)
-        return 2
-    except SimulationError as exc:
-        print(f"nemo-ac plan: {exc}", file=sys.stderr)
-        return 2
+    # Errors of the recipe's own dry run reach run_plan, which prints them as every plan error.
+    base = dry_run(args.recipe, args.overrides, world_size=args.world_size, options=options, depth="scaled")
     world = base.layout.world_size
     candidates = neighbours(base.recipe)
     for candidate in candidates:
