@@ -20,19 +20,11 @@ import tempfile
 from pathlib import Path
 
 from nemo_ac.config import load_recipe, validate_recipe
-from nemo_ac.simulate.accuracy import compare, read_measured
+from nemo_ac.simulate.accuracy import ACCURACY_CASES, ACCURACY_OVERRIDES, compare, read_measured
 from nemo_ac.simulate.run import SimulationOptions, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["dist.device=cpu", "model.moe.force_balanced_routing=true", "compile.enabled=false"]
-CASES = {
-    "qwen3_moe_tiny": ("tiny/qwen3_moe_tiny.yaml", 2, []),
-    "glm_4_5_air_tiny": ("tiny/glm_4_5_air_tiny.yaml", 2, []),
-    "nemotron_super_v3_tiny": ("tiny/nemotron_super_v3_tiny.yaml", 2, []),
-    "qwen3_6_medpix_tiny": ("tiny/qwen3_6_medpix_tiny.yaml", 4, []),
-    "qwen3_moe_tiny HSDP 2x2": ("tiny/qwen3_moe_tiny.yaml", 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
-    "qwen3_moe_tiny ring cp2": ("tiny/qwen3_moe_tiny.yaml", 2, ["parallel.cp=2", "parallel.cp_type=ring"]),
-}
+COMMON = list(ACCURACY_OVERRIDES)
 
 
 def main() -> int:
@@ -42,7 +34,7 @@ def main() -> int:
     rows = []
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (recipe_path, nproc, overrides) in CASES.items():
+        for name, (recipe_path, nproc, overrides) in ACCURACY_CASES.items():
             directory = Path(tmp) / name.replace(" ", "_")
             recipe_file = ROOT / "recipes" / recipe_path
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",

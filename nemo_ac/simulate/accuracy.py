@@ -1,6 +1,6 @@
 """A dry run held against a measured step of the same recipe (``nemo_ac.simulate.measure``'s ``rank<r>.json``).
 
-``nemo-ac plan RECIPE --against DIR`` prints it; the accuracy tests assert it. What is compared, for one rank:
+``nemo-ac plan RECIPE --against DIR`` prints it; the accuracy tests assert it on ``ACCURACY_CASES``. What is compared, for one rank:
 the tracked peak memory (the same tracker in fake and in real mode), the FLOPs per phase and their total against
 ``FlopCounterMode`` over the real step, and every collective's calls and bytes per mesh dimension and op.
 """
@@ -14,6 +14,18 @@ from typing import Any
 
 from nemo_ac.simulate.measure import counts_as_dict
 from nemo_ac.simulate.run import Simulation
+
+# The accuracy check's cases (tests/functional/test_plan_accuracy.py, benchmarks/plan_accuracy.py): name -> (recipe
+# under recipes/, ranks, overrides). Both sides route as the dry run assumes and do not compile (module docstring).
+ACCURACY_OVERRIDES = ("dist.device=cpu", "model.moe.force_balanced_routing=true", "compile.enabled=false")
+ACCURACY_CASES: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    "qwen3_moe_tiny": ("tiny/qwen3_moe_tiny.yaml", 2, ()),
+    "glm_4_5_air_tiny": ("tiny/glm_4_5_air_tiny.yaml", 2, ()),
+    "nemotron_super_v3_tiny": ("tiny/nemotron_super_v3_tiny.yaml", 2, ()),
+    "qwen3_6_medpix_tiny": ("tiny/qwen3_6_medpix_tiny.yaml", 4, ()),
+    "qwen3_moe_tiny_hsdp_2x2": ("tiny/qwen3_moe_tiny.yaml", 4, ("parallel.dp_replicate=2", "parallel.dp_shard=2")),
+    "qwen3_moe_tiny_ring_cp2": ("tiny/qwen3_moe_tiny.yaml", 2, ("parallel.cp=2", "parallel.cp_type=ring")),
+}
 
 
 @dataclass(frozen=True)

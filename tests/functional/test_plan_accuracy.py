@@ -16,22 +16,14 @@ from pathlib import Path
 import pytest
 
 from nemo_ac.config import load_recipe, validate_recipe
-from nemo_ac.simulate.accuracy import compare, read_measured
+from nemo_ac.simulate.accuracy import ACCURACY_CASES, ACCURACY_OVERRIDES, compare, read_measured
 from nemo_ac.simulate.run import SimulationOptions, simulate
 from tests.launch import RECIPES, child_env, torchrun_command
 
 pytestmark = pytest.mark.functional
 
-COMMON = ["dist.device=cpu", "model.moe.force_balanced_routing=true", "compile.enabled=false"]
-CASES = {
-    "qwen3_moe_tiny": ("tiny/qwen3_moe_tiny.yaml", 2, []),
-    "glm_4_5_air_tiny": ("tiny/glm_4_5_air_tiny.yaml", 2, []),
-    "nemotron_super_v3_tiny": ("tiny/nemotron_super_v3_tiny.yaml", 2, []),
-    "qwen3_6_medpix_tiny": ("tiny/qwen3_6_medpix_tiny.yaml", 4, []),
-    "qwen3_moe_tiny_hsdp_2x2": ("tiny/qwen3_moe_tiny.yaml", 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
-    "qwen3_moe_tiny_ring_cp2": ("tiny/qwen3_moe_tiny.yaml", 2, ["parallel.cp=2", "parallel.cp_type=ring"]),
-}
-
+COMMON = list(ACCURACY_OVERRIDES)
+CASES = ACCURACY_CASES
 
 WORKER = Path(__file__).parent / "workers" / "plan_accuracy.py"
 
