@@ -104,7 +104,8 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.sweep:
             from nemo_ac.simulate.sweep import run_sweep
 
-            return run_sweep(args, gpus=gpus, options=options)
+            base = dry_run(args.recipe, args.overrides, world_size=args.world_size, options=options, depth="scaled")
+            return run_sweep(base, gpus=gpus, options=options)
         simulation = dry_run(args.recipe, args.overrides, world_size=args.world_size, options=options, depth=args.depth)
     except ConfigError as exc:
         print(f"nemo-ac plan: {one_line(exc)}", file=sys.stderr)

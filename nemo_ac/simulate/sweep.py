@@ -10,7 +10,6 @@ first GPU (eager bound): an estimate, as every number of the plan.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ from nemo_ac.config.schema import RecipeConfig
 from nemo_ac.config.validate import validate_recipe
 from nemo_ac.simulate.gpus import GpuSpec
 from nemo_ac.simulate.report import PlanReport, seconds, size
-from nemo_ac.simulate.run import SimulationError, SimulationOptions
+from nemo_ac.simulate.run import Simulation, SimulationError, SimulationOptions
 from nemo_ac.simulate.scaled import simulate_scaled
 
 
@@ -72,11 +71,9 @@ def neighbours(recipe: RecipeConfig) -> list[Candidate]:
     return out
 
 
-def run_sweep(args: argparse.Namespace, *, gpus: list[GpuSpec], options: SimulationOptions) -> int:
-    from nemo_ac.simulate.cli import dry_run
-
-    # Errors of the recipe's own dry run reach run_plan, which prints them as every plan error.
-    base = dry_run(args.recipe, args.overrides, world_size=args.world_size, options=options, depth="scaled")
+def run_sweep(base: Simulation, *, gpus: list[GpuSpec], options: SimulationOptions) -> int:
+    """Print the recipe's neighbours that fit, fastest first, and why the others do not. ``base`` is the recipe's own
+    depth-scaled dry run (its errors reach the caller, which prints them as every plan error)."""
     world = base.layout.world_size
     candidates = neighbours(base.recipe)
     for candidate in candidates:
