@@ -23,7 +23,7 @@ from torch import nn
 
 from nemo_ac.config.families import nemotron_h_problems
 from nemo_ac.config.schema import ModelConfig, MoEConfig
-from nemo_ac.models.common.attention import Attention
+from nemo_ac.models.common.decoder_layer import attention_from_config
 from nemo_ac.models.common.experts import GroupedExperts
 from nemo_ac.models.common.mamba2 import Mamba2Mixer
 from nemo_ac.models.common.mlp import NonGatedMLP
@@ -88,14 +88,7 @@ class NemotronHBlock(nn.Module):
         if self.block_type == "mamba":
             self.mixer = Mamba2Mixer(cfg.hidden_size, cfg.mamba, rms_norm_eps=cfg.rms_norm_eps)
         elif self.block_type == "attention":
-            self.mixer = Attention(
-                cfg.hidden_size,
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                cfg.head_dim,
-                qk_norm=False,
-                attention_bias=False,
-            )
+            self.mixer = attention_from_config(cfg)  # the family check rules out qk-norm, biases and a gate
         elif self.block_type == "moe":
             self.mixer = NemotronHMoE(cfg.hidden_size, cfg.moe, mlp_bias=cfg.mlp_bias)
         else:

@@ -30,10 +30,8 @@ import torch
 from torch import nn
 
 from nemo_ac.config.schema import ModelConfig
-from nemo_ac.models.common.attention import Attention
+from nemo_ac.models.common.decoder_layer import PreNormDecoderLayer, attention_from_config
 from nemo_ac.models.common.gated_deltanet import GatedDeltaNet
-from nemo_ac.models.common.mlp import MLP
-from nemo_ac.models.common.moe import MoE
 from nemo_ac.models.common.mrope import MRotaryEmbedding, multimodal_position_ids
 from nemo_ac.models.common.vision import VisionModel
 from nemo_ac.models.interfaces import AttentionInputs, ModelOutput, RouterStats
@@ -86,51 +84,28 @@ class ZeroCenteredRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
-class Qwen3_5MoeDecoderLayer(nn.Module):
+class Qwen3_5MoeDecoderLayer(PreNormDecoderLayer):
     """Pre-norm block: ``h + mixer(norm(h))`` (Gated DeltaNet or gated attention), then ``h + moe(norm(h))``."""
 
+    norm_class = ZeroCenteredRMSNorm
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, layer_type: str) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.layer_type = layer_type
-        self.is_moe = layer_idx >= cfg.first_k_dense_replace
-        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        mixer: nn.Module
         if layer_type == LINEAR_ATTENTION:
-            self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear_attention, rms_norm_eps=cfg.rms_norm_eps)
+            name = "linear_attn"
+            mixer = GatedDeltaNet(cfg.hidden_size, cfg.linear_attention, rms_norm_eps=cfg.rms_norm_eps)
         else:
-            self.self_attn = Attention(
-                cfg.hidden_size,
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                cfg.head_dim,
-                qk_norm=cfg.qk_norm,
-                attention_bias=cfg.attention_bias,
-                rms_norm_eps=cfg.rms_norm_eps,
-                output_gate=cfg.attn_output_gate,
-                norm_cls=ZeroCenteredRMSNorm,
-            )
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = (
-            MoE(cfg.hidden_size, cfg.moe) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
-        )
+            name, mixer = "self_attn", attention_from_config(cfg, norm_class=self.norm_class)
+        super().__init__(cfg, layer_idx, mixer_name=name, mixer=mixer)
+        self.layer_type = layer_type
 
-    def routed_moe(self) -> MoE | None:
-        """interfaces.DecoderBlock: the routed MoE of this block (None: a dense block)."""
-        return self.mlp if self.is_moe else None
-
-    def forward(
-        self, hidden: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionInputs
-    ) -> tuple[torch.Tensor, RouterStats | None]:
-        x = self.input_layernorm(hidden)
+    def mix(
+        self, x: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor] | None, attn: AttentionInputs
+    ) -> torch.Tensor:
+        """Gated DeltaNet (no rope: its recurrence orders the tokens) or gated softmax attention."""
         if self.layer_type == LINEAR_ATTENTION:
-            hidden = hidden + self.linear_attn(x, attn=attn)
-        else:
-            hidden = hidden + self.self_attn(x, rope=rope, attn=attn)
-        mlp_in = self.post_attention_layernorm(hidden)
-        if self.is_moe:
-            mlp_out, stats = self.mlp(mlp_in)
-            return hidden + mlp_out, stats
-        return hidden + self.mlp(mlp_in), None
+            return self.linear_attn(x, attn=attn)
+        return self.self_attn(x, rope=rope, attn=attn)
 
 
 class Qwen3_5MoeTextModel(nn.Module):

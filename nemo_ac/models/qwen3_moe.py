@@ -10,60 +10,29 @@ wrap it with activation checkpointing, torch.compile and fully_shard without tou
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
 from nemo_ac.config.schema import ModelConfig
-from nemo_ac.models.common.attention import Attention
-from nemo_ac.models.common.mlp import MLP
-from nemo_ac.models.common.moe import MoE
+from nemo_ac.models.common.decoder_layer import PreNormDecoderLayer, attention_from_config
 from nemo_ac.models.common.rmsnorm import RMSNorm
 from nemo_ac.models.common.rope import RotaryEmbedding
 from nemo_ac.models.interfaces import AttentionInputs, ModelOutput, RouterStats
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormDecoderLayer):
     """Pre-norm block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``; mlp is MoE unless ``layer_idx`` is dense.
 
     Families with the same block shape subclass it and set ``moe_class`` / ``o_proj_bias`` (GLM-4.5)."""
 
-    moe_class: type[MoE] = MoE
     # None: o_proj has a bias exactly when q/k/v do (``attention_bias``).
-    o_proj_bias: bool | None = None
+    o_proj_bias: ClassVar[bool | None] = None
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.is_moe = layer_idx >= cfg.first_k_dense_replace
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            qk_norm=cfg.qk_norm,
-            attention_bias=cfg.attention_bias,
-            rms_norm_eps=cfg.rms_norm_eps,
-            o_proj_bias=self.o_proj_bias,
-        )
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = (
-            self.moe_class(cfg.hidden_size, cfg.moe) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
-        )
-
-    def routed_moe(self) -> MoE | None:
-        """interfaces.DecoderBlock: the routed MoE of this block (None: a dense block)."""
-        return self.mlp if self.is_moe else None
-
-    def forward(
-        self, hidden: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionInputs
-    ) -> tuple[torch.Tensor, RouterStats | None]:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope=rope, attn=attn)
-        mlp_in = self.post_attention_layernorm(hidden)
-        if self.is_moe:
-            mlp_out, stats = self.mlp(mlp_in)
-            return hidden + mlp_out, stats
-        return hidden + self.mlp(mlp_in), None
+        attention = attention_from_config(cfg, norm_class=self.norm_class, o_proj_bias=self.o_proj_bias)
+        super().__init__(cfg, layer_idx, mixer_name="self_attn", mixer=attention)
 
 
 class Qwen3MoeModel(nn.Module):
