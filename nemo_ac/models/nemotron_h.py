@@ -13,7 +13,9 @@ transformers says ``model.``; ``nemo_ac.models.hf.io`` renames both ways.) Each 
 Layers follow ``qwen3_moe.DecoderLayer``'s contract: ``forward(hidden, *, rope, attn) -> (hidden, RouterStats |
 None)`` (``rope`` is ignored: Nemotron-H has no positional encoding) and ``is_moe``. transformers names every
 layer's module ``mixer``; the parallelizer reaches an E layer's router, experts and dispatcher through
-``routed_moe()`` (``nemo_ac.models.interfaces.DecoderBlock``), so no state-dict name changes.
+``routed_moe()`` (``nemo_ac.models.interfaces.DecoderBlock``), so no state-dict name changes. The decoder stack and
+the LM head are ``common.causal_lm``'s ``DecoderStack`` and ``CausalLM`` under transformers' names (``embeddings``,
+``norm_f``).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from torch import nn
 
 from nemo_ac.config.families import nemotron_h_problems
 from nemo_ac.config.schema import ModelConfig, MoEConfig
+from nemo_ac.models.common.causal_lm import CausalLM, DecoderStack
 from nemo_ac.models.common.decoder_layer import attention_from_config
 from nemo_ac.models.common.experts import GroupedExperts
 from nemo_ac.models.common.mamba2 import Mamba2Mixer
 from nemo_ac.models.common.mlp import NonGatedMLP
 from nemo_ac.models.common.moe import MoE
 from nemo_ac.models.common.rmsnorm import RMSNorm
-from nemo_ac.models.interfaces import AttentionInputs, ModelOutput, RouterStats
+from nemo_ac.models.interfaces import AttentionInputs, RouterStats
 
 # hybrid_override_pattern characters -> transformers 5 layer types.
 BLOCK_TYPES = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
@@ -112,53 +115,24 @@ class NemotronHBlock(nn.Module):
         return hidden + self.mixer(x), None
 
 
-class NemotronHModel(nn.Module):
+class NemotronHModel(DecoderStack):
     """Embeddings, hybrid layers, final norm (``norm_f``). No positional encoding: ``position_ids`` is unused."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(NemotronHBlock(cfg, i) for i in range(cfg.num_layers))
-        self.norm_f = NemotronHRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, *, position_ids: torch.Tensor, attn: AttentionInputs
-    ) -> tuple[torch.Tensor, list[RouterStats]]:
-        hidden = self.embeddings(input_ids)
-        router_stats: list[RouterStats] = []
-        for layer in self.layers:
-            hidden, stats = layer(hidden, rope=None, attn=attn)
-            if stats is not None:
-                router_stats.append(stats)
-        return self.norm_f(hidden), router_stats
+        super().__init__(
+            cfg,
+            layers=(NemotronHBlock(cfg, i) for i in range(cfg.num_layers)),
+            norm_class=NemotronHRMSNorm,
+            rotary=None,
+            embedding_name="embeddings",
+            final_norm_name="norm_f",
+        )
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(CausalLM):
     """Causal LM head over ``NemotronHModel``. ``self.config`` is the ``ModelConfig`` it was built from."""
 
-    decoder_blocks_path = "model.layers"  # interfaces.ParallelizableModel
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = NemotronHModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.tie_weights()
-
-    def decoder_blocks(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def vision_blocks(self) -> nn.ModuleList | None:
-        return None
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the output projection (call again after ``to_empty``)."""
-        self.lm_head.weight = self.model.embeddings.weight
-
-    def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor, attn: AttentionInputs) -> ModelOutput:
-        hidden, router_stats = self.model(input_ids, position_ids=position_ids, attn=attn)
-        return ModelOutput(logits=self.lm_head(hidden), router_stats=router_stats)
+    model_class = NemotronHModel
 
 
 def check_nemotron_h_config(cfg: ModelConfig) -> list[str]:

@@ -6,9 +6,10 @@ Decoder layers are hybrid (``layer_pattern``: L = Gated DeltaNet at ``layers.N.l
 attention at ``layers.N.self_attn``); every layer has an MoE at ``layers.N.mlp`` (router ``gate``, ``experts``,
 ``dispatcher``, sigmoid-gated ``shared_expert``). Norms are zero-centered (``x * (1 + weight)``, weight init 0).
 
-The decoder block list is ``model.model.language_model.layers`` (HF's VL nesting). Each layer follows the
-``qwen3_moe.DecoderLayer`` contract: ``forward(hidden, *, rope, attn) -> (hidden, RouterStats | None)`` and
-``is_moe``; linear-attention layers ignore ``rope``.
+The decoder block list is ``model.model.language_model.layers`` (HF's VL nesting). Each layer is a
+``common.decoder_layer.PreNormDecoderLayer`` (``forward(hidden, *, rope, attn) -> (hidden, RouterStats | None)``,
+``is_moe``) whose mixer is chosen per layer; linear-attention layers ignore ``rope``. The text decoder and the LM
+head are ``common.causal_lm``'s ``DecoderStack`` and ``CausalLM``.
 
 Two entry points, so vision runs on the full sequence before context-parallel sharding:
 
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from nemo_ac.config.schema import ModelConfig
+from nemo_ac.models.common.causal_lm import CausalLM, DecoderStack
 from nemo_ac.models.common.decoder_layer import PreNormDecoderLayer, attention_from_config
 from nemo_ac.models.common.gated_deltanet import GatedDeltaNet
 from nemo_ac.models.common.mrope import MRotaryEmbedding, multimodal_position_ids
@@ -108,27 +110,21 @@ class Qwen3_5MoeDecoderLayer(PreNormDecoderLayer):
         return self.self_attn(x, rope=rope, attn=attn)
 
 
-class Qwen3_5MoeTextModel(nn.Module):
+class Qwen3_5MoeTextModel(DecoderStack):
     """Embedding table, hybrid decoder layers, final norm; ``forward`` starts from embeddings."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5MoeDecoderLayer(cfg, i, kind) for i, kind in enumerate(layer_types(cfg)))
-        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.partial_rotary_factor, cfg.mrope_section)
+        super().__init__(
+            cfg,
+            layers=(Qwen3_5MoeDecoderLayer(cfg, i, kind) for i, kind in enumerate(layer_types(cfg))),
+            norm_class=ZeroCenteredRMSNorm,
+            rotary=MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.partial_rotary_factor, cfg.mrope_section),
+        )
 
-    def forward(
+    def forward(  # embeddings, not ids (as transformers): the vision tower fills image placeholders first
         self, inputs_embeds: torch.Tensor, *, position_ids: torch.Tensor, attn: AttentionInputs
     ) -> tuple[torch.Tensor, list[RouterStats]]:
-        hidden = inputs_embeds
-        rope = self.rotary_emb(position_ids, dtype=hidden.dtype)
-        router_stats: list[RouterStats] = []
-        for layer in self.layers:
-            hidden, stats = layer(hidden, rope=rope, attn=attn)
-            if stats is not None:
-                router_stats.append(stats)
-        return self.norm(hidden), router_stats
+        return self.decode(inputs_embeds, position_ids=position_ids, attn=attn)
 
 
 @dataclass
@@ -152,28 +148,17 @@ class Qwen3_5MoeModel(nn.Module):
         self.language_model = Qwen3_5MoeTextModel(cfg)
 
 
-class Qwen3_5MoeForConditionalGeneration(nn.Module):
+class Qwen3_5MoeForConditionalGeneration(CausalLM):
     """Causal LM head over ``Qwen3_5MoeModel``. ``self.config`` is the ``ModelConfig`` it was built from."""
 
+    model_class = Qwen3_5MoeModel
     decoder_blocks_path = "model.language_model.layers"  # interfaces.ParallelizableModel
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = Qwen3_5MoeModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.tie_weights()
-
-    def decoder_blocks(self) -> nn.ModuleList:
-        return self.model.language_model.layers
+    def decoder(self) -> Qwen3_5MoeTextModel:
+        return self.model.language_model
 
     def vision_blocks(self) -> nn.ModuleList | None:
         return self.model.visual.blocks if self.model.visual is not None else None
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the output projection (call again after ``to_empty``)."""
-        self.lm_head.weight = self.model.language_model.embed_tokens.weight
 
     def embed_inputs(
         self,
@@ -200,7 +185,7 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module):
         pixel_values: torch.Tensor | None,
         image_grid_thw: torch.Tensor | None,
     ) -> MultimodalEmbeddings:
-        embeds = self.model.language_model.embed_tokens(input_ids)
+        embeds = self.get_input_embeddings()(input_ids)
         if pixel_values is None:
             return MultimodalEmbeddings(embeds, position_ids.unsqueeze(0).expand(3, -1, -1))
         visual = self.model.visual
@@ -243,7 +228,7 @@ class Qwen3_5MoeForConditionalGeneration(nn.Module):
                 raise ValueError("pass input_ids or inputs_embeds")
             embedded = self._embed(input_ids, position_ids, attn.document_ids, pixel_values, image_grid_thw)
             inputs_embeds, position_ids = embedded.inputs_embeds, embedded.position_ids
-        hidden, router_stats = self.model.language_model(inputs_embeds, position_ids=position_ids, attn=attn)
+        hidden, router_stats = self.decoder()(inputs_embeds, position_ids=position_ids, attn=attn)
         return ModelOutput(logits=self.lm_head(hidden), router_stats=router_stats)
 
 

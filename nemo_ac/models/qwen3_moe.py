@@ -5,21 +5,20 @@ model.layers.N.self_attn.{q,k,v,o}_proj / {q,k}_norm, model.layers.N.mlp.gate.we
 model.layers.N.mlp.experts.{gate_up_proj,down_proj}, model.norm, lm_head), so HF checkpoints load by name.
 
 Each ``DecoderLayer`` is self-contained (rope and attention metadata come in as arguments) so the parallelizer can
-wrap it with activation checkpointing, torch.compile and fully_shard without touching the model.
+wrap it with activation checkpointing, torch.compile and fully_shard without touching the model. The block, the
+decoder stack and the LM head are the shared ``PreNormDecoderLayer``, ``DecoderStack`` and ``CausalLM`` of
+``nemo_ac.models.common``; this module picks Qwen3's norm and rope (GLM-4.5 reuses all of it).
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
-from torch import nn
-
 from nemo_ac.config.schema import ModelConfig
+from nemo_ac.models.common.causal_lm import CausalLM, DecoderStack
 from nemo_ac.models.common.decoder_layer import PreNormDecoderLayer, attention_from_config
 from nemo_ac.models.common.rmsnorm import RMSNorm
 from nemo_ac.models.common.rope import RotaryEmbedding
-from nemo_ac.models.interfaces import AttentionInputs, ModelOutput, RouterStats
 
 
 class DecoderLayer(PreNormDecoderLayer):
@@ -35,58 +34,24 @@ class DecoderLayer(PreNormDecoderLayer):
         super().__init__(cfg, layer_idx, mixer_name="self_attn", mixer=attention)
 
 
-class Qwen3MoeModel(nn.Module):
+class Qwen3MoeModel(DecoderStack):
     """Embedding, decoder layers, final norm. Returns the final hidden states and per-MoE-layer router stats."""
 
-    layer_class: type[DecoderLayer] = DecoderLayer
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.partial_rotary_factor)
-
-    def forward(
-        self, input_ids: torch.Tensor, *, position_ids: torch.Tensor, attn: AttentionInputs
-    ) -> tuple[torch.Tensor, list[RouterStats]]:
-        hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(position_ids, dtype=hidden.dtype)
-        router_stats: list[RouterStats] = []
-        for layer in self.layers:
-            hidden, stats = layer(hidden, rope=rope, attn=attn)
-            if stats is not None:
-                router_stats.append(stats)
-        return self.norm(hidden), router_stats
+        super().__init__(
+            cfg,
+            layers=(self.layer_class(cfg, i) for i in range(cfg.num_layers)),
+            norm_class=RMSNorm,
+            rotary=RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.partial_rotary_factor),
+        )
 
 
-class Qwen3MoeForCausalLM(nn.Module):
+class Qwen3MoeForCausalLM(CausalLM):
     """Causal LM head over ``Qwen3MoeModel``. ``self.config`` is the ``ModelConfig`` it was built from."""
 
-    model_class: type[Qwen3MoeModel] = Qwen3MoeModel
-    decoder_blocks_path = "model.layers"  # interfaces.ParallelizableModel
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = self.model_class(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.tie_weights()
-
-    def decoder_blocks(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def vision_blocks(self) -> nn.ModuleList | None:
-        return None
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the output projection (call again after ``to_empty``)."""
-        self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor, attn: AttentionInputs) -> ModelOutput:
-        hidden, router_stats = self.model(input_ids, position_ids=position_ids, attn=attn)
-        return ModelOutput(logits=self.lm_head(hidden), router_stats=router_stats)
+    model_class = Qwen3MoeModel
 
 
 def build_qwen3_moe(cfg: ModelConfig) -> Qwen3MoeForCausalLM:

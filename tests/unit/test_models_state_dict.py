@@ -73,6 +73,15 @@ def test_state_dict_names_init_and_logits_as_recorded(case: str) -> None:
     assert got["logits_abs_sum"] == pytest.approx(want["logits_abs_sum"], rel=1e-5)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tied_embeddings_share_one_tensor(case: str) -> None:
+    cfg = dataclasses.replace(CASES[case](), tie_word_embeddings=True)
+    model = materialize_and_init(build_model(cfg), device="cpu", seed=0)
+    embedding = model.get_input_embeddings()
+    assert model.lm_head.weight is embedding.weight
+    assert embedding.weight.shape == (cfg.vocab_size, cfg.hidden_size)
+
+
 def _write_record() -> None:
     """One line per tensor, so a diff of the record names each changed parameter."""
     lines = []
