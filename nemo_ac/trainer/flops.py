@@ -8,9 +8,14 @@ not counted, as in PaLM's and torchtitan's MFU) per trained token::
 N_active: the decoder's parameters a token passes through (the input embedding is a lookup and is left out; routed
 experts count ``num_experts_per_tok / num_experts`` of their weights; the vision tower is left out: it runs on image
 patches, not on every token). The second term is softmax attention's score and value products, forward and
-backward, over full rows of ``data.seq_len`` (PaLM appendix B; torchtitan's ``get_num_flop_per_token``): packed
-documents and the causal mask make the real work smaller, so the term is an upper bound that keeps MFU comparable
-with those trainers. Linear-attention and Mamba mixers count through their parameters only.
+backward, over full rows (PaLM appendix B; torchtitan's ``get_num_flop_per_token``): packed documents and the
+causal mask make the real work smaller, so the term is an upper bound that keeps MFU comparable with those trainers.
+Linear-attention and Mamba mixers count through their parameters only.
+
+S is the row length the data produces (``attention_row_length``): ``data.max_length`` for MedPix rows,
+``data.seq_len`` for text and fixed-length synthetic rows, and for synthetic rows of varying length the
+token-weighted mean over the lengths a step draws from. Reading ``data.seq_len`` for every kind counted the Qwen3.6
+MedPix flagship's attention at S=64 (the unused default) instead of its 4096-token rows.
 
 Peak: dense (no sparsity) tensor throughput from NVIDIA's datasheets, keyed by ``torch.cuda.get_device_name()``;
 an unknown GPU has no MFU (the run says so once). On CPU there is no datasheet number: ``measure_cpu_peak`` times a
@@ -27,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nemo_ac.config.schema import RecipeConfig
+from nemo_ac.config.schema import DataConfig, RecipeConfig
+from nemo_ac.data.loader import length_choices
 
 TERA = 1e12
 
@@ -110,6 +116,21 @@ def _attention_layers(model: nn.Module) -> int:
     )
 
 
+def attention_row_length(data: DataConfig) -> float:
+    """The S of the attention term: the tokens per row ``data`` packs, averaged over tokens where rows vary.
+
+    A row of S tokens costs each of its tokens attention over S positions, so over rows of several lengths a
+    token's mean is ``sum(S^2) / sum(S)`` (the synthetic source draws each step's length uniformly from
+    ``length_choices``). A ``data.source`` of your own is counted at ``data.seq_len``.
+    """
+    if data.source is None and data.kind == "medpix":
+        return float(data.max_length)
+    if data.source is None and data.kind == "synthetic" and not data.fixed_length:
+        lengths = length_choices(data.seq_len, data.pad_multiple)
+        return sum(length * length for length in lengths) / sum(lengths)
+    return float(data.seq_len)
+
+
 def model_flops_per_token(model: nn.Module, recipe: RecipeConfig) -> float:
     """``6 * N_active + 12 * L_attn * H * d_head * S`` for ``model`` (any device, meta included: only shapes are read;
     call it before parallelization, which shards the experts over EP)."""
@@ -138,5 +159,6 @@ def model_flops_per_token(model: nn.Module, recipe: RecipeConfig) -> float:
         share = moe.num_experts_per_tok / max(moe.num_experts, 1) if id(param) in expert_params else 1.0
         active += param.numel() * share
     cfg = recipe.model
-    attention = 12 * _attention_layers(model) * cfg.num_attention_heads * cfg.head_dim * recipe.data.seq_len
+    rows = attention_row_length(recipe.data)
+    attention = 12 * _attention_layers(model) * cfg.num_attention_heads * cfg.head_dim * rows
     return 6 * active + attention

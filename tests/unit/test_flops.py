@@ -9,7 +9,7 @@ import torch
 
 from nemo_ac.config import load_recipe
 from nemo_ac.models import build_model
-from nemo_ac.trainer.flops import TERA, gpu_peak, measure_cpu_peak, model_flops_per_token
+from nemo_ac.trainer.flops import TERA, attention_row_length, gpu_peak, measure_cpu_peak, model_flops_per_token
 from tests.launch import RECIPES
 
 
@@ -61,3 +61,31 @@ def test_model_flops_per_token_counts_active_experts_and_attention():
     wider = dataclasses.replace(recipe, model=dataclasses.replace(cfg, moe=more))
     extra = model_flops_per_token(model, wider) - model_flops_per_token(model, recipe)
     assert extra == pytest.approx(6 * experts / moe.num_experts)
+
+
+def test_medpix_attention_is_counted_at_the_rows_max_length_not_seq_len():
+    """MedPix rows are ``data.max_length`` tokens; ``data.seq_len`` is unused there (the Qwen3.6 flagship's 4096-token
+    rows were counted at its default of 64)."""
+    recipe = load_recipe(str(RECIPES / "tiny/qwen3_6_medpix_tiny.yaml"), [])
+    model = build_model(recipe.model, device="meta")
+
+    def flops(**data: int) -> float:
+        return model_flops_per_token(model, dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, **data)))
+
+    base = flops()
+    assert flops(seq_len=recipe.data.seq_len * 4) == base
+    one_row_more = flops(max_length=2 * recipe.data.max_length) - base
+    assert one_row_more > 0
+    assert flops(max_length=3 * recipe.data.max_length) - base == pytest.approx(2 * one_row_more)
+
+
+def test_row_length_of_each_data_kind():
+    synthetic = load_recipe(str(RECIPES / "tiny/qwen3_moe_tiny.yaml"), []).data
+    assert attention_row_length(dataclasses.replace(synthetic, seq_len=96, fixed_length=True)) == 96
+    # Rows of 32, 40, 48, 56 or 64 tokens, one length per step: a token sees sum(S^2) / sum(S) positions.
+    varying = dataclasses.replace(synthetic, seq_len=64, fixed_length=False, pad_multiple=8)
+    assert attention_row_length(varying) == pytest.approx(12160 / 240)
+    text = dataclasses.replace(synthetic, kind="text", seq_len=128, max_length=4096)
+    assert attention_row_length(text) == 128
+    medpix = dataclasses.replace(synthetic, kind="medpix", seq_len=64, max_length=4096)
+    assert attention_row_length(medpix) == 4096
