@@ -1,4 +1,5 @@
-# The README's two commands. Both create .venv if missing and install with torch pinned (constraints.txt).
+# make test (what CI runs) and make run (the tiny Qwen3.6 MedPix recipe). Both create .venv if missing and install
+# with torch pinned (constraints.txt).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
