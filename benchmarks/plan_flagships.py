@@ -3,7 +3,7 @@
     python benchmarks/plan_flagships.py [--depth full|scaled] [--out benchmarks/results/plan_flagships]
 
 Runs each plan as its own process (``nemo-ac plan ... --json``), reads its wall time and peak RSS from the OS
-(``os.wait4``), and writes the README's table (markdown) and the plans (JSON). Every memory, time and MFU figure in it
+(``os.wait4``), and writes docs/planning.md's table (markdown) and the plans (JSON). Every memory, time and MFU figure in it
 is the dry run's estimate, not a measurement; the wall time and RSS are measurements of the dry run itself.
 """
 
