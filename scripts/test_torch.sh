@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run nemo_ac's tests on another torch release, in a venv of its own (.venv-torch-<version>).
 #
-#   scripts/test_torch.sh 2.14.1                 # the workaround regression tests (what CI runs after `make test`)
+#   scripts/test_torch.sh 2.14.1                 # the tests marked workaround (what CI runs after `make test`)
 #   scripts/test_torch.sh 2.15.0 all             # the whole suite
 #   scripts/test_torch.sh 2.14.1 tests/unit/test_plan.py -k gates   # any pytest arguments
 #   make test-torch TORCH=2.14.1 [TESTS=all]     # the same through make
@@ -23,24 +23,9 @@ shift
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=${VENV:-.venv-torch-$TORCH_VERSION}
 
-# The workaround regression tests: every torch failure nemo_ac works around, without and with its fix (SAC
-# profiler ops and FSDP hooks, compiled regions under SAC, the compile thread context, the doctor end to end) and
-# the gate table / registry they read.
-REGRESSION_TESTS=(
-  tests/unit/test_workarounds_registry.py
-  tests/unit/test_sac_compat.py
-  tests/unit/test_sac_policy.py
-  tests/unit/test_sac_fsdp_world1.py
-  tests/unit/test_sac_compiled_regions.py
-  tests/unit/test_compat.py
-  tests/unit/test_compat_torch_modes.py
-  tests/unit/test_compile_thread_context.py
-  tests/unit/test_compile_dynamic_ints.py
-  tests/unit/test_compile_ac_outer.py
-  tests/unit/test_doctor.py
-  tests/unit/test_doctor_cli.py
-  tests/functional/test_doctor.py
-)
+# The workaround regression tests are the ones marked `workaround` (pyproject.toml): every torch failure nemo_ac
+# works around, without and with its fix (SAC profiler ops and FSDP hooks, compiled regions under SAC, the compile
+# thread context, the doctor end to end) and the gate table / registry they read.
 
 if [[ ! -x "$VENV/bin/python" ]]; then
   "$PYTHON" -m venv "$VENV"
@@ -67,7 +52,7 @@ print(f"torch {torch.__version__} (cuda build: {torch.version.cuda}, cuda availa
 EOF
 
 if [[ $# -eq 0 ]]; then
-  set -- "${REGRESSION_TESTS[@]}"
+  set -- -m workaround
 elif [[ $1 == all ]]; then
   shift
 fi

@@ -23,7 +23,7 @@ from nemo_ac.doctor.args import PROBE_NAMES
 from nemo_ac.doctor.runner import PROBES
 from tests.launch import ROOT, child_env
 
-pytestmark = pytest.mark.functional
+pytestmark = [pytest.mark.workaround, pytest.mark.functional]
 
 # What each probe's run without the workaround must fail with (the documented torch errors).
 DOCUMENTED = {

@@ -29,6 +29,8 @@ from nemo_ac.doctor.probes_thread import FORWARD_CONFIG, _read_config
 from nemo_ac.workarounds.profiler_ops_in_sac import profiler_op_overloads
 from tests.launch import ROOT, child_env
 
+pytestmark = pytest.mark.workaround  # the torch-release regression subset (scripts/test_torch.sh)
+
 CPU = torch.device("cpu")
 PROFILER_OPS = set(profiler_op_overloads())
 

@@ -16,7 +16,7 @@ from nemo_ac import compat
 from nemo_ac.doctor.probes_sac import NestedUnitNet, save_matmuls, shard_nested_unit_net, torch_sac_context_fn
 from nemo_ac.workarounds import fsdp_hooks_in_sac
 
-pytestmark = pytest.mark.usefixtures("world", "private_sac_ignored_ops")
+pytestmark = [pytest.mark.workaround, pytest.mark.usefixtures("world", "private_sac_ignored_ops")]
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,7 @@ from nemo_ac.workarounds.forward_thread_compile_config import (
     capture_thread_compile_config,
 )
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+pytestmark = [pytest.mark.workaround, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 @dataclass

@@ -32,7 +32,7 @@ DEFAULT_LIMIT = 8  # torch._dynamo.config.recompile_limit's default (2.12 - 2.13
 SAC_REPLAY_FAILURE = re.compile(r"Recomputed values for the following tensors|not found in storage")
 
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+pytestmark = [pytest.mark.workaround, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def test_a_new_thread_sees_dynamo_defaults_after_the_main_thread_changed_them():

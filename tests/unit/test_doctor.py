@@ -23,9 +23,12 @@ from nemo_ac.doctor.result import ProbeRun, judge
 from nemo_ac.doctor.runner import PROBES
 from nemo_ac.workarounds.gates import torch_version_release
 
-pytestmark = pytest.mark.skipif(
-    torch_version_release() < (2, 13), reason="the verdicts below are torch 2.13's (nemo_ac's pinned torch)"
-)
+pytestmark = [
+    pytest.mark.workaround,
+    pytest.mark.skipif(
+        torch_version_release() < (2, 13), reason="the verdicts below are torch 2.13's (nemo_ac's pinned torch)"
+    ),
+]
 
 
 @pytest.fixture(autouse=True)

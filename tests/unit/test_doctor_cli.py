@@ -12,7 +12,10 @@ import torch.utils.checkpoint as torch_checkpoint
 from nemo_ac.cli import main
 from nemo_ac.workarounds.gates import torch_version_release
 
-pytestmark = pytest.mark.skipif(torch_version_release() < (2, 13), reason="the verdicts below are torch 2.13's")
+pytestmark = [
+    pytest.mark.workaround,
+    pytest.mark.skipif(torch_version_release() < (2, 13), reason="the verdicts below are torch 2.13's"),
+]
 
 
 @pytest.fixture(autouse=True)

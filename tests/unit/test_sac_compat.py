@@ -21,6 +21,8 @@ from nemo_ac.workarounds.gates import torch_version_release
 from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored, profiler_op_overloads
 from tests.factories import PROFILER_OPS
 
+pytestmark = pytest.mark.workaround  # the torch-release regression subset (scripts/test_torch.sh)
+
 
 @pytest.mark.parametrize(
     ("version", "release"),

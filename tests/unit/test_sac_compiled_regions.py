@@ -21,7 +21,7 @@ from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.distributed.activation_checkpointing import make_selective_checkpoint_context_fn
 from nemo_ac.workarounds.compiled_regions_under_sac import ac_outer_compile_kwargs
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+pytestmark = [pytest.mark.workaround, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
