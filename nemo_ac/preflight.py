@@ -121,13 +121,13 @@ def check_export_dir(recipe: RecipeConfig) -> list[ConfigIssue]:
 
 
 def check_compile_backend(recipe: RecipeConfig) -> list[ConfigIssue]:
-    """A ``compile.backend`` this torch does not register (imports torch._dynamo; environment check)."""
+    """A ``compile.backend`` this torch does not register (imports torch.compiler; environment check)."""
     if not recipe.compile.enabled:
         return []
-    import torch._dynamo
+    import torch.compiler
 
     try:
-        known = set(torch._dynamo.list_backends(exclude_tags=()))
+        known = set(torch.compiler.list_backends(exclude_tags=()))
     except Exception:  # listing is best effort; parallelize checks again
         return []
     if recipe.compile.backend in known:

@@ -12,9 +12,10 @@ run") with nothing on screen. ``CompileProgress`` prints, on the process that in
 number a recompile of it (which ``nemo_ac.diagnostics.recompiles`` explains). A compile that runs longer than
 ``heartbeat_s`` gets a "still compiling" line every ``heartbeat_s``.
 
-Source: the same ``torch._dynamo.callback_handler`` start/end callbacks as the recompile accounting (private; no
-public per-compile hook exists in torch 2.13 -- ``torch.compiler`` has none, ``torch._logging`` only logs), found
-through ``recompiles.add_compile_callbacks``, which returns None where it is missing: then nothing is printed. The
+Source: the same Dynamo start/end callbacks as the recompile accounting (private; no public per-compile hook exists
+-- ``torch.compiler`` has none, ``torch._logging`` only logs), registered through
+``workarounds.dynamo_compile_events.add_compile_callbacks``, which returns None where they are missing: then nothing
+is printed. The
 callbacks run on the compiling thread; printing is the only thing they do.
 """
 
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nemo_ac.diagnostics.recompiles import add_compile_callbacks, remove_compile_callbacks
+from nemo_ac.workarounds.dynamo_compile_events import add_compile_callbacks, remove_compile_callbacks
 
 Write = Callable[[str], None]
 

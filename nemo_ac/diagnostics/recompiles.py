@@ -5,11 +5,12 @@ compiles during backward, which on GPU runs on the autograd device thread. A hea
 thread in its first steps and then never again, on no thread; compiles that keep appearing on the backward thread
 are the symptom of a recompute running without the forward thread's settings (see nemo_ac.distributed.compile).
 
-Sources (all resolved defensively; none changes what torch does):
-- ``torch._dynamo.callback_handler`` start/end callbacks: run on the compiling thread for every Dynamo frame
-  compile and every lazily compiled AOTAutograd backward graph -> per-thread counts, and graph breaks as the
-  growth of ``torch._dynamo.utils.counters["graph_break"]`` during that compile.
-- ``torch._dynamo.utils.get_compilation_metrics()``: recompile reasons, joined to the thread by compile id.
+Sources (private to Dynamo, each behind one function of ``workarounds.dynamo_compile_events``, resolved
+defensively; none changes what torch does):
+- Dynamo's callback handler's start/end callbacks: run on the compiling thread for every Dynamo frame compile and
+  every lazily compiled AOTAutograd backward graph -> per-thread counts, and graph breaks as the growth of Dynamo's
+  ``graph_break`` counter during that compile.
+- Dynamo's compilation metrics: recompile reasons, joined to the thread by compile id.
 - the warning Dynamo logs on ``torch._dynamo.convert_frame`` when a frame hits its recompile limit: from then on
   the frame runs eagerly. Turned into an ``EagerFallbackWarning`` (loud, per thread); so is a compile(AC(block))
   entry frame that captured no graph (a graph break inside a traced checkpoint makes Dynamo skip the region).
@@ -19,7 +20,6 @@ This module imports nothing from nemo_ac.distributed / trainer (diagnostics are 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import warnings
@@ -28,7 +28,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from nemo_ac.workarounds.dynamo_compile_events import (
+    add_compile_callbacks,
+    compilation_metrics,
+    graph_break_total,
+    remove_compile_callbacks,
+)
 
 log = logging.getLogger("nemo_ac.compile")
 
@@ -66,47 +71,6 @@ class EagerFallback:
         return (
             f"nemo_ac: EAGER FALLBACK on the {self.thread} thread: {self.code} runs eagerly from now on ({self.reason})"
         )
-
-
-def _graph_break_total() -> int:
-    try:
-        return int(sum(torch._dynamo.utils.counters["graph_break"].values()))
-    except Exception:
-        return 0
-
-
-def _compilation_metrics() -> list[Any]:
-    try:
-        return list(torch._dynamo.utils.get_compilation_metrics())
-    except Exception:
-        return []
-
-
-def _callback_handler() -> Any | None:
-    """``torch._dynamo.callback_handler`` (private; present 2.4 - 2.13)."""
-    handler = getattr(torch._dynamo, "callback_handler", None)
-    if handler is None or not hasattr(handler, "register_start_callback"):
-        return None
-    return handler
-
-
-def add_compile_callbacks(on_start: Callable[..., Any], on_end: Callable[..., Any]) -> Any | None:
-    """Register a start / end callback pair on Dynamo's callback handler; returns the handler for
-    ``remove_compile_callbacks`` (None where torch has none: nothing is registered)."""
-    handler = _callback_handler()
-    if handler is not None:
-        handler.register_start_callback(on_start)
-        handler.register_end_callback(on_end)
-    return handler
-
-
-def remove_compile_callbacks(handler: Any | None, on_start: Callable[..., Any], on_end: Callable[..., Any]) -> None:
-    """Undo ``add_compile_callbacks`` (a callback already gone is not an error)."""
-    if handler is None:
-        return
-    for remove, callback in ((handler.remove_start_callback, on_start), (handler.remove_end_callback, on_end)):
-        with contextlib.suppress(ValueError):
-            remove(callback)
 
 
 class _LimitHitHandler(logging.Handler):
@@ -153,10 +117,10 @@ class CompileAccounting:
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def install(self) -> CompileAccounting:
-        self._seen_metrics = {self._metrics_key(m) for m in _compilation_metrics()}  # earlier compiles are not ours
+        self._seen_metrics = {self._metrics_key(m) for m in compilation_metrics()}  # earlier compiles are not ours
         self._handler = add_compile_callbacks(self._on_start, self._on_end)
         if self._handler is None:
-            log.warning("torch._dynamo.callback_handler not found: per-thread compile counts are unavailable")
+            log.warning("Dynamo's callback handler not found: per-thread compile counts are unavailable")
         self._log_handler = _LimitHitHandler(self)
         logging.getLogger(_LIMIT_LOGGER).addHandler(self._log_handler)
         return self
@@ -183,7 +147,7 @@ class CompileAccounting:
         trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
         compile_id = str(getattr(args, "compile_id", ""))
         with self._lock:
-            self._open[threading.get_ident()] = (self._label(), trigger, compile_id, _graph_break_total())
+            self._open[threading.get_ident()] = (self._label(), trigger, compile_id, graph_break_total())
 
     def _on_end(self, args: Any) -> None:
         with self._lock:
@@ -192,7 +156,7 @@ class CompileAccounting:
                 return
             label, trigger, compile_id, breaks_before = opened
             counts = self.threads[label]
-            counts.graph_breaks += max(_graph_break_total() - breaks_before, 0)
+            counts.graph_breaks += max(graph_break_total() - breaks_before, 0)
             if trigger == "LAZY_BACKWARD":
                 counts.backward_graphs += 1
             elif trigger == "DYNAMO":
@@ -213,7 +177,7 @@ class CompileAccounting:
 
     def refresh(self) -> None:
         """Fold new compilation-metrics entries in (recompile reasons, empty checkpoint graphs). Cheap."""
-        for entry in _compilation_metrics():
+        for entry in compilation_metrics():
             key = self._metrics_key(entry)
             if key in self._seen_metrics:
                 continue

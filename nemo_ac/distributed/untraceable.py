@@ -12,25 +12,19 @@ what breaks where; the run's compile report counts the graph breaks that result.
 
 Two sources, both read without running anything:
 - the TE modules ``apply_te_backends`` will swap in (``te_swap_counts``: the plan is made before the swap);
-- modules already in the block whose ``forward`` is Dynamo-disabled (``torch.compiler.disable`` /
-  ``torch._dynamo.disable`` mark the wrapper with ``_torchdynamo_disable``; there is no public query for it).
+- modules already in the block whose ``forward`` is Dynamo-disabled (``torch.compiler.disable``; torch has no public
+  query for it, ``workarounds.dynamo_disable_marker`` reads the private marker).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
 
 from torch import nn
 
 from nemo_ac.distributed.blocks import unwrap_block
 from nemo_ac.models.common.te_backend import te_swap_counts
-
-
-def is_dynamo_disabled(fn: Callable[..., Any] | None) -> bool:
-    """Whether ``fn`` (a function or bound method) was wrapped by ``torch.compiler.disable``."""
-    return bool(getattr(fn, "_torchdynamo_disable", False))
+from nemo_ac.workarounds.dynamo_disable_marker import is_dynamo_disabled
 
 
 def dynamo_disabled_modules(block: nn.Module) -> Counter[str]:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from nemo_ac.workarounds.dynamo_compile_events import clear_dynamo_counters
 from nemo_ac.workarounds.profiler_ops_in_sac import profiler_op_overloads, profiler_ops_ignored_upstream
 
 T = TypeVar("T")
@@ -44,15 +45,13 @@ def private_sac_ignored_ops(*, upstream_only: bool) -> Iterator[set[Any]]:
 @contextmanager
 def fresh_dynamo() -> Iterator[None]:
     """Reset Dynamo's caches and counters before and after (a probe's compiles must not serve the next probe)."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
+    torch.compiler.reset()
+    clear_dynamo_counters()
     try:
         yield
     finally:
-        torch._dynamo.reset()
-        counters.clear()
+        torch.compiler.reset()
+        clear_dynamo_counters()
 
 
 def on_thread(fn: Callable[[], T], *, num_threads: int | None = None, name: str = "nemo_ac-doctor") -> T:

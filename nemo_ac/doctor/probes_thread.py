@@ -38,6 +38,7 @@ from nemo_ac import compat
 from nemo_ac.doctor.isolation import fresh_dynamo, on_thread, other_num_threads
 from nemo_ac.doctor.probes_sac import torch_sac_context_fn
 from nemo_ac.doctor.result import ProbeRun, recording
+from nemo_ac.workarounds.dynamo_settings import dynamo_setting, dynamo_settings_patched
 
 ContextFactory = Callable[[], Any]
 
@@ -55,8 +56,8 @@ HIDDEN, GROUPS, ROWS = 16, 4, 22  # ROWS equals no model dimension (Dynamo would
 def _read_config() -> tuple[str, int, bool, str]:
     return (
         threading.current_thread().name,
-        torch._dynamo.config.recompile_limit,
-        torch._dynamo.config.capture_scalar_outputs,
+        dynamo_setting("recompile_limit"),
+        dynamo_setting("capture_scalar_outputs"),
         torch.compiler.config.dynamic_sources,
     )
 
@@ -90,7 +91,7 @@ def run_thread_config_probe(*, workaround: bool, device: str = "cpu") -> ProbeRu
     context_fn = compat.forward_thread_compile_context if workaround else None
     x = torch.randn(ROWS, HIDDEN, device=dev, requires_grad=True)
     with recording(run, expected=THREAD_CONFIG_DESYNC):
-        with torch._dynamo.config.patch(**FORWARD_CONFIG), torch.compiler.config.patch(dynamic_sources=FORWARD_SOURCES):
+        with dynamo_settings_patched(FORWARD_CONFIG), torch.compiler.config.patch(dynamic_sources=FORWARD_SOURCES):
             kwargs = {} if context_fn is None else {"context_fn": context_fn}
             out = checkpoint(lambda t: _ConfigReader.apply(t, seen).sin(), x, use_reentrant=False, **kwargs)
         _backward(out.sum(), device=dev)
@@ -150,7 +151,7 @@ def run_recompute_thread_probe(
     expected = torch.autograd.grad(block(x).square().sum(), [x, *block.parameters()])
     with fresh_dynamo(), recording(run, expected=RECOMPUTE_DESYNC):
         block.forward = torch.compile(block.forward, backend="aot_eager", dynamic=False)
-        with torch._dynamo.config.patch(**FORWARD_CONFIG):
+        with dynamo_settings_patched(FORWARD_CONFIG):
             out = checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
         loss = out.square().sum()
         grads = on_thread(

@@ -31,6 +31,7 @@ from nemo_ac.models.common import mixer_kernels as _registers_mixer_kernel_ops  
 from nemo_ac.models.common import packed_attention as _registers_packed_attention_op  # noqa: F401
 from nemo_ac.models.common import routing_replay as _registers_select_experts_op  # noqa: F401
 from nemo_ac.workarounds import grouped_mm_fake_rule as _registers_grouped_mm_op  # noqa: F401  (torch.ops.nemo_ac)
+from nemo_ac.workarounds.partitioner_op_list import compute_intensive_ops
 
 
 def _packets(*qualified: str) -> frozenset:
@@ -86,17 +87,6 @@ _COMMUNICATION = (
 _NEVER_CACHED_NAMESPACES = ("profiler", "fsdp", "c10d")
 
 
-def _compute_intensive_packets() -> frozenset:
-    """torch's partitioner list of compute-intensive ops (what its min-cut prefers to save). Private; resolved
-    defensively, falling back to the matmul/attention lists above."""
-    try:
-        from torch._functorch.partitioners import get_default_op_list
-
-        return frozenset(get_default_op_list().compute_intensive_ops)
-    except (ImportError, AttributeError):
-        return frozenset()
-
-
 @dataclass(frozen=True)
 class PolicyRules:
     """What a selective region saves, resolved once per factory (op lookups are not free)."""
@@ -115,7 +105,7 @@ class PolicyRules:
         extra = frozenset(getattr(op, "overloadpacket", op) for op in extra_save_ops)
         return cls(
             matmuls=matmuls,
-            compute_intensive=(_compute_intensive_packets() | _packets(*_ATTENTION) | extra) - matmuls,
+            compute_intensive=(compute_intensive_ops() | _packets(*_ATTENTION) | extra) - matmuls,
             router=_packets(*_ROUTER),
             communication=_packets(*_COMMUNICATION),
             save_every_other_mm=config.save_every_other_mm,

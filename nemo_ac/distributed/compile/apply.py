@@ -37,7 +37,7 @@ def _supports_region_recompile_limit() -> bool:
 def check_backend(backend: str) -> None:
     """An unknown backend name fails at parallelize time, naming the key (torch would fail at the first forward)."""
     try:
-        known = set(torch._dynamo.list_backends(exclude_tags=()))
+        known = set(torch.compiler.list_backends(exclude_tags=()))
     except Exception:  # listing is best effort; torch.compile reports an unknown backend anyway
         return
     if backend not in known:

@@ -2,7 +2,8 @@
 
 Scoped because Dynamo's config is per thread since torch 2.12: a thread-local ``patch`` around each block's outer
 forward makes the forward compile with them, and the forward-thread context captures them there for the recompute
-(``workarounds.forward_thread_compile_config``).
+(``workarounds.forward_thread_compile_config``). The two Dynamo keys live in Dynamo's private config module, reached
+only through ``workarounds.dynamo_settings``; ``dynamic_sources`` is public (``torch.compiler.config``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from nemo_ac.config.schema import CompileConfig
 from nemo_ac.distributed.plan import CompilePlan
 from nemo_ac.workarounds.dynamic_per_batch_ints import dynamic_source_patterns, merge_dynamic_sources
+from nemo_ac.workarounds.dynamo_settings import dynamo_settings_patched
 from nemo_ac.workarounds.forward_thread_compile_config import patched_config
 
 
@@ -47,17 +49,9 @@ class CompileSettings:
 @contextlib.contextmanager
 def use_compile_settings(settings: CompileSettings) -> Iterator[None]:
     """Apply ``settings`` on the calling thread for the duration (``config.patch``: thread-local, restored)."""
-    dynamo_config = torch._dynamo.config
     compiler_config = torch.compiler.config
-    dynamo = {
-        key: value
-        for key, value in (
-            ("recompile_limit", settings.recompile_limit),
-            ("capture_scalar_outputs", settings.capture_scalar_outputs),
-        )
-        if getattr(dynamo_config, key) != value
-    }
+    dynamo = {"recompile_limit": settings.recompile_limit, "capture_scalar_outputs": settings.capture_scalar_outputs}
     merged = merge_dynamic_sources(compiler_config.dynamic_sources, settings.dynamic_sources)
     compiler = {"dynamic_sources": merged} if merged != compiler_config.dynamic_sources else {}
-    with patched_config(dynamo_config, dynamo), patched_config(compiler_config, compiler):
+    with dynamo_settings_patched(dynamo), patched_config(compiler_config, compiler):
         yield
