@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_ac.doctor.checks import CheckResult
 from nemo_ac.doctor.result import Verdict
 
 
@@ -15,12 +16,14 @@ class DoctorReport:
     assumed_torch_version: str | None
     device: str
     verdicts: list[Verdict] = field(default_factory=list)
+    checks: list[CheckResult] = field(default_factory=list)  # the private torch techniques (doctor.checks)
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        """False when any affected probe still fails with its workaround, or a probe could not decide."""
-        return not any(verdict.failed for verdict in self.verdicts)
+        """False when any affected probe still fails with its workaround, a probe could not decide, or a private
+        torch technique nemo_ac relies on is broken on this torch."""
+        return not any(verdict.failed for verdict in self.verdicts) and all(check.ok for check in self.checks)
 
     @property
     def exit_code(self) -> int:
@@ -34,6 +37,7 @@ class DoctorReport:
             "seconds": round(self.seconds, 1),
             "ok": self.ok,
             "probes": [verdict.to_dict() for verdict in self.verdicts],
+            "checks": [check.to_dict() for check in self.checks],
         }
 
     def to_json(self) -> str:
@@ -69,6 +73,15 @@ def render_table(report: DoctorReport) -> str:
             lines.append(f"- {v.name} failed unexpectedly: {v.off.summary}")
         if v.note:
             lines.append(f"- {v.name}: {v.note}")
+    if report.checks:
+        lines += [
+            "",
+            "| private torch nemo_ac relies on | workarounds module | state | time (s) |",
+            "| --- | --- | --- | --- |",
+        ]
+        for check in report.checks:
+            state = "ok" if check.ok else f"BROKEN: {check.error}"
+            lines.append(f"| {check.title} | {check.row} | {state} | {check.seconds:.1f} |")
     verdict = "OK: every affected probe passes with its workaround" if report.ok else "PROBLEM: see FAIL / error rows"
     lines += ["", f"{verdict}. Wall time {report.seconds:.1f} s."]
     return "\n".join(lines)

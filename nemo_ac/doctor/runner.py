@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_ac.doctor.args import add_doctor_arguments
+from nemo_ac.doctor.checks import run_checks
 from nemo_ac.doctor.report import DoctorReport, render_table
 from nemo_ac.doctor.result import ProbeRun, judge
 from nemo_ac.doctor.spawn import TwoRankLaunch
@@ -122,8 +123,9 @@ def _world_of_one(device: str):
 def run_doctor(
     *, device: str = "cpu", only: Sequence[str] | None = None, torch_version: str | None = None
 ) -> DoctorReport:
-    """Run the selected probes (default: all) off and on; ``torch_version`` decides nemo_ac's gates as if that
-    torch were running (to see what an older build would get), the probes still run on the installed torch.
+    """Run the selected probes (default: all) off and on, and without ``only`` the checks of the private torch
+    techniques (``doctor.checks``); ``torch_version`` decides nemo_ac's gates as if that torch were running (to see
+    what an older build would get), the probes still run on the installed torch.
 
     Call it from a process without a process group; the 2-process probe spawns fresh interpreters, so a calling
     script needs the usual ``if __name__ == "__main__":`` guard (``nemo-ac doctor`` has it).
@@ -147,6 +149,8 @@ def run_doctor(
                 runs[spec.name] = tuple(
                     _call(spec, workaround=w, device=device, torch_version=torch_version) for w in (False, True)
                 )
+        if only is None:
+            report.checks = run_checks()
     for name, launch in launches.items():
         runs[name] = tuple(launch.results())
     for spec in selected:

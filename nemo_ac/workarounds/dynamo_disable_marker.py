@@ -6,7 +6,7 @@ compile(AC(block)) one such call makes Dynamo run the whole checkpointed block e
 public query; ``torch.compiler.disable`` / ``torch._dynamo.disable`` set the attribute ``_torchdynamo_disable`` to
 True on the wrapper they return (``torch/_dynamo/eval_frame.py``, ``DisableContext``).
 
-Relies on: the ``_torchdynamo_disable`` attribute of a Dynamo-disabled wrapper.
+Relies on: the _torchdynamo_disable attribute of a Dynamo-disabled wrapper.
 Torch versions: checked on 2.13.0 (this tree's tests, ``nemo-ac doctor`` check ``dynamo_disable_marker``); nemo_ac
 supports 2.12 - 2.15 (``workarounds.gates``). Where the marker disappears this returns False for every function: the
 plan then stops seeing such modules (the run's compile report still counts their graph breaks).

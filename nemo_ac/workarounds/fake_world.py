@@ -26,6 +26,10 @@ else. Checked on torch 2.13.0 and 2.14.1 (CI), where each of them is present as 
   mode differs from the one it entered under). ``dtensor_propagation_marked`` wraps that method so that
   ``in_sharding_propagation()`` tells the counters to let those ops pass uncounted.
 
+Relies on: torch._subclasses.fake_tensor, torch._C._current_graph_task_id,
+torch.distributed.distributed_c10d._resolve_process_group and DTensor's sharding propagator (the pieces above).
+``nemo-ac doctor`` (check ``fake_world``) asks the installed torch for each of them.
+Upstream: none filed.
 Delete when: torch has public equivalents (a documented fake world for estimation, torch.distributed._tools being
 promoted); until then each helper is one place to repair.
 """

@@ -20,6 +20,9 @@ peaks, which nemo_ac never reads, are not kept; ``on_update`` lets a caller keep
 each phase). Everything else (categories, FSDP instrumentation, optimizer hooks)
 is torch's. A test runs both trackers over the same step and compares their global peaks and breakdowns.
 
+Relies on: MemTracker._update_peak_stats (overridden) and the tracker's _curr_mem_snap, _peak_mem, _peak_mem_snap,
+_depth and _root_mod (``torch/distributed/_tools``). ``nemo-ac doctor`` (check ``mem_tracker_global_peak``) asks the
+installed torch for each.
 Upstream: none filed. Delete when: ``MemTracker`` offers a global-only mode or makes the per-module update
 proportional to the active modules (``_mod_tracker.parents``) rather than to every module seen.
 """
@@ -77,3 +80,19 @@ class GlobalPeakFSDPMemTracker(FSDPMemTracker):
                 self._peak_mem_snap[dev] = deepcopy(dev_snap)
         if self.on_update is not None:
             self.on_update(self._curr_mem_snap)
+
+
+def mem_tracker_internals_missing() -> list[str]:
+    """The private names this module relies on that the installed torch's trackers lack (``nemo-ac doctor``)."""
+    import inspect
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    missing = [] if callable(getattr(FSDPMemTracker, "_update_peak_stats", None)) else ["_update_peak_stats"]
+    tracker = MemTracker()
+    missing += [
+        name for name in ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap", "_depth") if not hasattr(tracker, name)
+    ]
+    if "_root_mod" not in inspect.getsource(FSDPMemTracker.__init__):
+        missing.append("_root_mod")
+    return missing

@@ -4,12 +4,19 @@
 (``python -m nemo_ac.workarounds --markdown``, checked by a test) read this registry instead of keeping lists of
 their own. A new workaround is a module in this package that opens with the error it prevents, the torch versions
 affected, the upstream issues and their state and the condition for deleting it, plus one row here.
+
+Two kinds of row. A ``failure`` row is a torch failure nemo_ac prevents (the README's table lists these). A
+``technique`` row is a private torch API nemo_ac relies on without a failure of its own (re-classed SAC modes,
+Dynamo's compile callbacks, ...): its ``error`` field says what it relies on, its module opens with a ``Relies on:``
+line, and ``nemo-ac doctor`` checks on the installed torch that the API is still there and behaves as relied on
+(``doctor.checks``). Private torch outside this package fails ``tests/unit/test_private_torch_boundary.py``.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Literal
 
 from nemo_ac.workarounds.gates import GATES, gate_active
 
@@ -30,11 +37,12 @@ class Upstream:
 
 @dataclass(frozen=True)
 class Workaround:
-    """One row: a torch failure and nemo_ac's fix for it."""
+    """One row: a torch failure and nemo_ac's fix for it, or a private torch technique nemo_ac relies on."""
 
     name: str  # the module under nemo_ac.workarounds, and the key in gates.GATES when gated
     title: str
-    error: str  # the error it prevents, short (the module docstring quotes it whole)
+    error: str  # failure: the error it prevents, short (the module docstring quotes it whole); technique: what it
+    # relies on (the module's "Relies on:" line)
     applied: str  # where nemo_ac applies it
     compat: str  # what another FSDP2 trainer calls (nemo_ac.compat), or "" when it is internal to nemo_ac
     upstream: tuple[Upstream, ...]
@@ -42,12 +50,15 @@ class Workaround:
     gated: bool = True  # False: not version gated (asks torch at import, or costs nothing and always applies)
     # For rows that are not version gated but ask torch: "function" in the row's module returning whether it is needed.
     needed_probe: str = ""
+    kind: Literal["failure", "technique"] = "failure"
 
     @property
     def module(self) -> str:
         return f"nemo_ac.workarounds.{self.name}"
 
     def torch_versions(self) -> str:
+        if self.kind == "technique":
+            return "checked by nemo-ac doctor"
         if not self.gated:
             return "asked of torch at import" if self.needed_probe else "every release"
         return GATES[self.name].describe()
@@ -64,7 +75,8 @@ class Workaround:
 
 CHECKED = "2026-12-01"
 
-WORKAROUNDS: tuple[Workaround, ...] = (
+# Torch failures nemo_ac prevents (the README's table).
+FAILURES: tuple[Workaround, ...] = (
     Workaround(
         name="profiler_ops_in_sac",
         title="FSDP2 record_function profiler ops inside a SAC region",
@@ -153,6 +165,106 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     ),
 )
 
+# Private torch techniques nemo_ac relies on (no failure of their own); nemo-ac doctor checks each (doctor.checks).
+TECHNIQUES: tuple[Workaround, ...] = (
+    Workaround(
+        name="sac_mode_passthrough",
+        title="torch's SAC mode pair re-classed so that chosen ops pass through",
+        error="the private _CachingTorchDispatchMode / _CachedTorchDispatchMode classes (re-classed by __class__ "
+        "assignment) and the higher-order-op redirects registered for them",
+        applied="every nemo_ac SAC region (activation_checkpointing.contexts, compat.selective_checkpoint_context_fn)",
+        compat="compat.selective_checkpoint_context_fn",
+        upstream=(Upstream("pytorch/pytorch#196862", "closed unmerged", "scoped SAC bypass context"),),
+        delete_when="fsdp_hooks_in_sac and compiled_regions_under_sac are deleted, or torch's SAC takes a "
+        "pass-through predicate",
+        gated=False,
+        kind="technique",
+    ),
+    Workaround(
+        name="autograd_inside_op",
+        title="autograd recorded inside a custom op's body",
+        error="torch._C._ForceDispatchKeyGuard and the thread's dispatch key sets (lifting the autograd exclusion "
+        "torch sets around a custom op's body)",
+        applied="backward ops of the fla / mamba-ssm mixer kernels (models.common.mixer_kernels)",
+        compat="",
+        upstream=(),
+        delete_when="the kernels' backward is called directly, or torch.library offers a public way",
+        gated=False,
+        kind="technique",
+    ),
+    Workaround(
+        name="dynamo_compile_events",
+        title="Dynamo's per-compile callbacks, counters and compile metrics",
+        error="torch._dynamo.callback_handler, torch._dynamo.utils.counters, "
+        "torch._dynamo.utils.get_compilation_metrics",
+        applied="diagnostics.recompiles (per-thread compile report), diagnostics.compile_progress, doctor isolation",
+        compat="",
+        upstream=(),
+        delete_when="torch offers a public per-compile start/end hook and compile metrics",
+        gated=False,
+        kind="technique",
+    ),
+    Workaround(
+        name="dynamo_settings",
+        title="Dynamo settings only its private config module holds",
+        error="torch._dynamo.config.recompile_limit and torch._dynamo.config.capture_scalar_outputs",
+        applied="compile settings of every compiled block (compile.settings), doctor thread probes",
+        compat="",
+        upstream=(),
+        delete_when="both settings are public (torch.compiler.config or torch.compile arguments)",
+        gated=False,
+        kind="technique",
+    ),
+    Workaround(
+        name="dynamo_disable_marker",
+        title="which functions torch.compiler.disable wrapped",
+        error="the _torchdynamo_disable attribute of a Dynamo-disabled wrapper",
+        applied="the plan's untraceable modules (distributed.untraceable)",
+        compat="",
+        upstream=(),
+        delete_when="torch offers a public is_disabled query",
+        gated=False,
+        kind="technique",
+    ),
+    Workaround(
+        name="partitioner_op_list",
+        title="torch's list of compute-intensive ops",
+        error="torch._functorch.partitioners.get_default_op_list().compute_intensive_ops",
+        applied="nemo_ac's selective AC policy (activation_checkpointing.policy)",
+        compat="",
+        upstream=(),
+        delete_when="the policy keeps its own complete list, or torch makes the list public",
+        gated=False,
+        kind="technique",
+    ),
+    Workaround(
+        name="fake_world",
+        title="the fake process group, fake tensors and graph-task id of the dry run",
+        error="torch._subclasses.fake_tensor, torch._C._current_graph_task_id, "
+        "torch.distributed.distributed_c10d._resolve_process_group and DTensor's sharding propagator",
+        applied="the full-size dry run (nemo_ac.simulate)",
+        compat="",
+        upstream=(),
+        delete_when="torch has public equivalents (a documented fake world for estimation)",
+        gated=False,
+        kind="technique",
+    ),
+    Workaround(
+        name="mem_tracker_global_peak",
+        title="FSDPMemTracker keeping only the global peak (per-op cost grew with every module seen)",
+        error="MemTracker._update_peak_stats (overridden) and the tracker's _curr_mem_snap, _peak_mem, "
+        "_peak_mem_snap, _depth and _root_mod",
+        applied="the full-size dry run's memory estimate (nemo_ac.simulate)",
+        compat="",
+        upstream=(),
+        delete_when="MemTracker offers a global-only mode or updates only the active modules' peaks",
+        gated=False,
+        kind="technique",
+    ),
+)
+
+WORKAROUNDS: tuple[Workaround, ...] = FAILURES + TECHNIQUES
+
 _BY_NAME = {workaround.name: workaround for workaround in WORKAROUNDS}
 
 
@@ -164,12 +276,12 @@ def workaround(name: str) -> Workaround:
 
 
 def markdown_table() -> str:
-    """The README's workaround table (between its ``workarounds`` markers)."""
+    """The README's workaround table (between its ``workarounds`` markers): the failure rows."""
     lines = [
         "| workaround | the error it prevents | torch | upstream | in your own trainer |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for w in WORKAROUNDS:
+    for w in (row for row in WORKAROUNDS if row.kind == "failure"):
         upstream = ", ".join(f"[{u.ref.split('/')[-1]}]({u.url}) {u.state}" for u in w.upstream) or "none"
         lines.append(
             f"| [`{w.name}`](nemo_ac/workarounds/{w.name}.py): {w.title} | `{w.error}` | {w.torch_versions()} | "

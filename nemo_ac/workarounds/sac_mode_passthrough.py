@@ -31,8 +31,13 @@ Three private pieces, each in one function below:
       NotImplementedError: There was no rule registered for HigherOrderOperator inductor_compiled_code and mode
       NemoAC_CachingTorchDispatchMode
 
-Delete when: the workarounds that use it are deleted, or torch's SAC takes a pass-through predicate itself
-(pytorch/pytorch#196862 proposed a scoped bypass context; closed unmerged).
+Relies on: the private _CachingTorchDispatchMode / _CachedTorchDispatchMode classes (re-classed by __class__
+assignment) and the higher-order-op redirects registered for them.
+Torch versions: checked on 2.13.0 (this tree's tests); nemo_ac supports 2.12 - 2.15 (``workarounds.gates``);
+``nemo-ac doctor`` (check ``sac_mode_passthrough``) re-classes the modes on the installed torch and runs a region
+through them.
+Upstream: pytorch/pytorch#196862 (a scoped SAC bypass context; closed unmerged).
+Delete when: the workarounds that use it are deleted, or torch's SAC takes a pass-through predicate itself.
 """
 
 from __future__ import annotations

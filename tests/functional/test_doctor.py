@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from nemo_ac.doctor.args import PROBE_NAMES
+from nemo_ac.doctor.checks import CHECKS
 from nemo_ac.doctor.runner import PROBES
 from tests.launch import ROOT, child_env
 
@@ -63,6 +64,12 @@ def test_every_probe_ran_on_this_torch_and_the_report_is_ok(doctor):
     assert [p["name"] for p in doctor["probes"]] == list(PROBE_NAMES)
     assert doctor["ok"] is True and doctor["torch"] == torch.__version__
     assert doctor["seconds"] < BUDGET_S  # recorded for the issue's bound; a loaded CI machine only shifts it
+
+
+def test_every_private_torch_technique_was_checked_and_holds(doctor):
+    """The full command also checks each technique row of the registry (doctor.checks) on this torch."""
+    assert [check["row"] for check in doctor["checks"]] == [spec.row for spec in CHECKS]
+    assert all(check["ok"] for check in doctor["checks"]), doctor["checks"]
 
 
 @pytest.mark.parametrize("spec", PROBES, ids=lambda spec: spec.name)

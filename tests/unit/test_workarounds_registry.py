@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from nemo_ac import compat
+from nemo_ac.doctor.checks import CHECKS
 from nemo_ac.doctor.runner import PROBES
 from nemo_ac.workarounds import GATES, WORKAROUNDS, markdown_table, workaround
+from nemo_ac.workarounds.registry import TECHNIQUES
 
 pytestmark = pytest.mark.workaround  # the torch-release regression subset (scripts/test_torch.sh)
 
@@ -26,8 +28,12 @@ def _flat(text: str) -> str:
 @pytest.mark.parametrize("row", WORKAROUNDS, ids=lambda row: row.name)
 def test_each_module_opens_with_the_error_versions_upstream_and_when_to_delete_it(row):
     doc = _flat(importlib.import_module(row.module).__doc__ or "")
-    quoted = row.error.split(" ... ")[0].split(", then ")[0].split(", or")[0].removeprefix("silently wrong gradients")
-    assert _flat(quoted).strip(" ,:") in doc, f"{row.module} does not quote {quoted!r}"
+    if row.kind == "technique":
+        assert _flat(f"Relies on: {row.error}") in doc, f"{row.module} does not open with 'Relies on: {row.error}'"
+    else:
+        quoted = row.error.split(" ... ")[0].split(", then ")[0].split(", or")[0]
+        quoted = quoted.removeprefix("silently wrong gradients")
+        assert _flat(quoted).strip(" ,:") in doc, f"{row.module} does not quote {quoted!r}"
     assert "Upstream:" in doc and "Delete when:" in doc
     for upstream in row.upstream:
         assert upstream.ref in doc, f"{row.module} does not name {upstream.ref}"
@@ -59,12 +65,28 @@ def test_doctor_and_compat_read_the_registry():
     assert now.fsdp_units_need_protection and now.recompute_needs_thread_context
 
 
+def test_every_module_has_a_row_and_the_doctor_checks_every_technique():
+    """A module of workarounds/ (other than the registry and the gate table) is a row; a technique row (a private
+    torch API relied on, no failure of its own) has exactly one doctor check, which names it."""
+    modules = {path.stem for path in (PACKAGE / "workarounds").glob("*.py")} - {
+        "__init__",
+        "__main__",
+        "gates",
+        "registry",
+    }
+    assert modules == {row.name for row in WORKAROUNDS}, "a workarounds module without a registry row (or the reverse)"
+    assert [check.row for check in CHECKS] == [row.name for row in TECHNIQUES]
+    assert all(row.kind == "technique" and not row.gated for row in TECHNIQUES)
+    assert {row.name for row in WORKAROUNDS if row.kind == "technique"} == {row.name for row in TECHNIQUES}
+
+
 def test_the_readme_table_is_the_registry():
     readme = (ROOT / "README.md").read_text()
     section = readme.split("<!-- workarounds:begin -->\n", 1)[1].split("<!-- workarounds:end -->", 1)[0]
     assert section == markdown_table(), "README workaround table is stale: python -m nemo_ac.workarounds --markdown"
     for row in WORKAROUNDS:
         assert (PACKAGE / "workarounds" / f"{row.name}.py").exists()
+        assert (f"[`{row.name}`]" in section) == (row.kind == "failure"), "the README table lists the failure rows"
 
 
 # Private-torch techniques: each lives behind one function in nemo_ac/workarounds and nowhere else.
