@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from nemo_ac.config.schema import LinearAttentionConfig, MambaConfig, ModelConfig, MoEConfig
+from nemo_ac.distributed.activation_checkpointing import ContextFn, sac_region_context_fn, selective_policy_factory
 from nemo_ac.models import build_model
 from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.expert_bias import biased_routers
@@ -213,6 +214,13 @@ PROFILER_OPS = {
     torch.ops.profiler._record_function_exit.default,
     torch.ops.profiler._record_function_exit._RecordFunction,
 }
+
+
+def unfixed_selective_context_fn(*, region: str = "") -> ContextFn:
+    """nemo_ac's SAC context for one region WITHOUT the profiler-op ignore (``workarounds.profiler_ops_in_sac``):
+    to observe the torch 2.13 failure the production factory prevents. Run it on a private ``SAC_IGNORED_OPS``
+    (the ``private_sac_ignored_ops`` fixture): another test may have installed the ignore in this process."""
+    return sac_region_context_fn(selective_policy_factory(region=region), region=region)
 
 
 # --- benchmark peers (benchmarks/_flagship_peers.py, benchmarks/_automodel_peers.py) ---------------------------

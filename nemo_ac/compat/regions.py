@@ -41,7 +41,8 @@ from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.distributed.activation_checkpointing import (
     ContextFn,
     compose_context_fns,
-    make_selective_checkpoint_context_fn,
+    sac_region_context_fn,
+    selective_policy_factory,
 )
 from nemo_ac.workarounds.compiled_regions_under_sac import ac_outer_compile_kwargs
 from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
@@ -78,7 +79,8 @@ def selective_checkpoint_context_fn(
     region: str = "",
     compile_context: bool = False,
 ) -> ContextFn:
-    """A SAC ``context_fn`` whose modes let protected FSDP2 units' hook ops through.
+    """A SAC ``context_fn`` whose modes let protected FSDP2 units' hook ops through (compat's SAC factory: your
+    policy or nemo_ac's; installs nothing process-wide, ``compat.install()`` does).
 
     policy: what ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` accepts (a function
         ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` or a list of ops to save), shared by every region
@@ -91,10 +93,19 @@ def selective_checkpoint_context_fn(
     compile_context: also re-apply the forward thread's compile settings in the recompute
         (``with_forward_thread_compile_context``), for regions that hold a compiled module.
     """
-    context_fn = make_selective_checkpoint_context_fn(
-        config=config, region=region, policy=policy, policy_factory=policy_factory, install_profiler_ignore=False
-    )
+    if policy is not None and policy_factory is not None:
+        raise ValueError("pass policy or policy_factory, not both")
+    if policy is not None:
+        policy_factory = _shared(policy)
+    elif policy_factory is None:
+        policy_factory = selective_policy_factory(config, region=region)
+    context_fn = sac_region_context_fn(policy_factory, region=region)
     return with_forward_thread_compile_context(context_fn) if compile_context else context_fn
+
+
+def _shared(policy: PolicyFn | Sequence[Any]) -> Callable[[], PolicyFn | Sequence[Any]]:
+    """One policy for every region invocation (what torch's ``create_selective_checkpoint_contexts`` takes)."""
+    return lambda: policy
 
 
 def with_forward_thread_compile_context(context_fn: ContextFn) -> ContextFn:

@@ -87,6 +87,14 @@ def ensure_profiler_ops_sac_ignored(*, torch_version: str | None = None) -> tupl
     return added
 
 
+def profiler_ops_sac_ignored() -> bool:
+    """Whether every profiler-op overload is in ``SAC_IGNORED_OPS`` now (by nemo_ac, upstream or anyone): what a
+    SAC desync explanation reports as "workarounds on"."""
+    ignored = sac_ignored_ops()
+    overloads = profiler_op_overloads()
+    return ignored is not None and bool(overloads) and all(op in ignored for op in overloads)
+
+
 # torch's own ignore set as this process found it when nemo_ac was imported (read, never written), so that an
 # upstream fix can be told apart from nemo_ac's own addition (``nemo-ac doctor``, ``nemo_ac.compat.status``).
 _IGNORED_AT_IMPORT = frozenset(sac_ignored_ops() or ())

@@ -26,7 +26,7 @@ from nemo_ac.distributed import deepep_ops
 from nemo_ac.distributed.activation_checkpointing import (
     PolicyRules,
     SelectivePolicy,
-    make_selective_checkpoint_context_fn,
+    sac_region_context_fn,
 )
 from nemo_ac.distributed.deepep_dispatcher import DeepEPDispatcher
 from nemo_ac.models.common.dispatch import LocalDispatcher
@@ -93,7 +93,7 @@ def selective(config: SelectiveACConfig | None = None, *, without_deepep: bool =
     rules = PolicyRules.build(config or SelectiveACConfig())
     if without_deepep:
         rules = dataclasses.replace(rules, communication=rules.communication - set(DEEPEP_OPS))
-    return make_selective_checkpoint_context_fn(policy_factory=lambda: SelectivePolicy(rules=rules))
+    return sac_region_context_fn(lambda: SelectivePolicy(rules=rules), region="")
 
 
 def checkpointed(model: TinyMoE, context_fn=None):

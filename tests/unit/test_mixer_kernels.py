@@ -165,9 +165,7 @@ def test_selective_ac_saves_the_op_so_the_recompute_never_reruns_the_kernel(kern
 
     # forward + the backward op's one re-run; recomputing the op instead would add a third.
     assert bodies(ac.make_selective_checkpoint_context_fn()) == 2
-    assert (
-        bodies(ac.make_selective_checkpoint_context_fn(policy=lambda *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)) == 3
-    )
+    assert bodies(ac.sac_region_context_fn(lambda: lambda *a, **k: CheckpointPolicy.PREFER_RECOMPUTE, region="")) == 3
 
 
 # --- the plan's choice -----------------------------------------------------------------------------------------

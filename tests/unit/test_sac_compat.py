@@ -7,10 +7,13 @@ Every test here runs against ``private_sac_ignored_ops`` (tests/conftest.py): a 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch.utils import checkpoint as torch_checkpoint
 
+from nemo_ac import compat
 from nemo_ac.config.schema import ActivationCheckpointingConfig, ModelConfig, MoEConfig, SelectiveACConfig
 from nemo_ac.distributed import activation_checkpointing as ac
 from nemo_ac.distributed.activation_checkpointing import wrapping
@@ -19,7 +22,7 @@ from nemo_ac.models import build_model
 from nemo_ac.workarounds import fsdp_hooks_in_sac, profiler_ops_in_sac
 from nemo_ac.workarounds.gates import torch_version_release
 from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored, profiler_op_overloads
-from tests.factories import PROFILER_OPS
+from tests.factories import PROFILER_OPS, unfixed_selective_context_fn
 
 pytestmark = pytest.mark.workaround  # the torch-release regression subset (scripts/test_torch.sh)
 
@@ -107,16 +110,16 @@ def _apply_ac(model: torch.nn.Module, config: ActivationCheckpointingConfig):
 
 def test_apply_ac_gives_every_block_one_factory_and_moe_blocks_their_nested_units(private_sac_ignored_ops, monkeypatch):
     """One SAC context factory for every block, each region named by its path; the plan marks the MoE blocks whose
-    experts are their own FSDP unit (the layout whose FSDP2 hooks run inside the region), and the factory installs
-    the profiler-op ignore for them as for every block."""
+    experts are their own FSDP unit (the layout whose FSDP2 hooks run inside the region), and apply_ac installs the
+    profiler-op ignore the plan switches on."""
     regions = []
-    factory = wrapping.make_selective_checkpoint_context_fn
+    factory = wrapping.sac_region_context_fn
 
-    def spy(**kwargs):
+    def spy(policy_factory, **kwargs):
         regions.append(kwargs["region"])
-        return factory(**kwargs)
+        return factory(policy_factory, **kwargs)
 
-    monkeypatch.setattr(wrapping, "make_selective_checkpoint_context_fn", spy)
+    monkeypatch.setattr(wrapping, "sac_region_context_fn", spy)
     model = _moe_model(first_k_dense_replace=1)
     plan = _apply_ac(model, ActivationCheckpointingConfig(mode="selective"))
     assert regions == ["model.layers.0", "model.layers.1", "model.layers.2"]
@@ -124,12 +127,20 @@ def test_apply_ac_gives_every_block_one_factory_and_moe_blocks_their_nested_unit
     assert private_sac_ignored_ops >= PROFILER_OPS
 
 
+def test_two_factories_and_no_failure_switch_in_production():
+    """nemo_ac's factory takes its policy config and a region name; compat's takes another trainer's policy. Neither
+    can switch the fix off: the un-fixed context that shows the torch failure is a test helper."""
+    assert list(inspect.signature(ac.make_selective_checkpoint_context_fn).parameters) == ["config", "region"]
+    compat_parameters = inspect.signature(compat.selective_checkpoint_context_fn).parameters
+    assert list(compat_parameters) == ["policy", "policy_factory", "config", "region", "compile_context"]
+
+
 def test_workarounds_off_installs_nothing(private_sac_ignored_ops):
     before = set(private_sac_ignored_ops)
     model = _moe_model(first_k_dense_replace=0)
     config = ActivationCheckpointingConfig(mode="selective", workarounds=False)
     _apply_ac(model, config)
-    ac.make_selective_checkpoint_context_fn(workarounds=False)
+    unfixed_selective_context_fn()
     assert private_sac_ignored_ops == before
 
 

@@ -28,7 +28,7 @@ from nemo_ac.workarounds.fsdp_hooks_in_sac import (
     remove_fsdp_hooks_outside_sac,
 )
 from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored
-from tests.factories import PROFILER_OPS
+from tests.factories import PROFILER_OPS, unfixed_selective_context_fn
 from tests.launch import RECIPES
 
 # Every test runs on a private copy of torch's SAC_IGNORED_OPS (the real set stays untouched).
@@ -67,7 +67,7 @@ def test_torch_raises_the_documented_error():
 
 
 def test_workarounds_off_raises_the_documented_error_explained():
-    net = _sharded(ac.make_selective_checkpoint_context_fn(region="blocks", workarounds=False))
+    net = _sharded(unfixed_selective_context_fn(region="blocks"))
     with pytest.raises(SACDesyncError) as info:
         _grads(net)
     assert DOCUMENTED.search(str(info.value.__cause__)), info.value.__cause__
@@ -91,7 +91,7 @@ def test_workarounds_on_backward_succeeds_and_matches_no_ac(on_thread):
 def test_each_workaround_alone_fixes_the_world1_case(fix):
     """At world size 1 the mismatch is only the profiler ops, so either mechanism suffices (with explicit
     prefetch on 2 ranks only the FSDP-hook bracket does: tests/functional/test_sac_layouts.py)."""
-    net = _sharded(ac.make_selective_checkpoint_context_fn(region="blocks", workarounds=False))
+    net = _sharded(unfixed_selective_context_fn(region="blocks"))
     if fix == "profiler_ignore_only":
         ensure_profiler_ops_sac_ignored()
     else:

@@ -1,4 +1,4 @@
-"""Recompute contexts of an activation checkpoint, and the one SAC context factory.
+"""Recompute contexts of an activation checkpoint, and nemo_ac's SAC context factory.
 
 Every AC wrapper gets one ``context_fn`` composed from independent recompute contexts (the SAC modes, the
 forward-thread compile context, ...), so each concern stays in its own module. nemo_ac's SAC modes are torch's
@@ -6,6 +6,12 @@ caching/cached pair re-classed (``workarounds.sac_mode_passthrough``) so that tw
 neither counted, cached nor replayed: ops of an FSDP2 unit's hooks (``workarounds.fsdp_hooks_in_sac``) and whole
 inductor-compiled regions (``workarounds.compiled_regions_under_sac``); torch's storage error is re-raised as
 ``SACDesyncError`` naming the region (``diagnostics.sac_explain``).
+
+Two factories share ``sac_region_context_fn``: ``make_selective_checkpoint_context_fn`` here (nemo_ac's policy, the
+profiler-op ignore installed; ``apply_ac`` builds each block's region the same way and installs the ignore where the
+plan switches it on) and ``nemo_ac.compat.selective_checkpoint_context_fn`` (another trainer's policy; its
+``compat.install()`` installs the ignore). Neither has a switch to leave the fix out: the un-fixed context that shows
+torch's failure is a test helper (``tests/factories.py``).
 
 The tensors SAC caches bypass surrounding ``saved_tensors_hooks`` (``SAC_CACHE_THROUGH_SAVED_TENSORS_HOOKS``): the
 behaviour nemo_ac is built and tested on (its memory accounting counts SAC's cache apart from what autograd packs,
@@ -28,7 +34,7 @@ from nemo_ac.diagnostics.sac_explain import DecisionLog, explain_sac_desync
 from nemo_ac.distributed.activation_checkpointing.policy import PolicyRules, SelectivePolicy
 from nemo_ac.workarounds.compiled_regions_under_sac import is_compiled_region
 from nemo_ac.workarounds.fsdp_hooks_in_sac import fsdp_hook_running, reset_fsdp_hook_state
-from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored
+from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored, profiler_ops_sac_ignored
 from nemo_ac.workarounds.sac_mode_passthrough import passthrough_sac_modes
 
 # Whether SAC-cached tensors go through surrounding saved-tensor hooks (torch >= 2.14 lets the caller choose).
@@ -74,13 +80,16 @@ def _passes_through(func: Any) -> bool:
 
 
 def selective_region_modes(
-    policy: PolicyFn | Sequence[Any], *, region: str = "", workarounds: bool = True
+    policy: PolicyFn | Sequence[Any], *, region: str = ""
 ) -> tuple[AbstractContextManager, AbstractContextManager]:
     """torch's SAC mode pair for ``policy`` (a policy function or a list of ops to save, as
-    ``create_selective_checkpoint_contexts`` takes), as nemo_ac's region modes (see the module docstring)."""
+    ``create_selective_checkpoint_contexts`` takes), as nemo_ac's region modes (see the module docstring). A storage
+    error names ``region`` and says whether the profiler-op ignore was in force when it happened."""
 
     def explain(exc: RuntimeError) -> BaseException | None:
-        return explain_sac_desync(exc, region=region, torch_version=torch.__version__, workarounds=workarounds)
+        return explain_sac_desync(
+            exc, region=region, torch_version=torch.__version__, workarounds=profiler_ops_sac_ignored()
+        )
 
     return passthrough_sac_modes(
         policy,
@@ -91,42 +100,40 @@ def selective_region_modes(
     )
 
 
-def make_selective_checkpoint_context_fn(
-    *,
-    config: SelectiveACConfig | None = None,
-    region: str = "",
-    workarounds: bool = True,
-    extra_save_ops: Sequence[Any] = (),
-    policy: PolicyFn | Sequence[Any] | None = None,
-    policy_factory: Callable[[], PolicyFn] | None = None,
-    install_profiler_ignore: bool | None = None,
-) -> ContextFn:
-    """The SAC context factory (nemo_ac's blocks and ``nemo_ac.compat`` alike): ``context_fn() -> (caching mode,
-    cached mode)`` for one region.
+def sac_region_context_fn(policy_factory: Callable[[], PolicyFn | Sequence[Any]], *, region: str) -> ContextFn:
+    """``context_fn() -> (caching mode, cached mode)`` for one region, with a fresh policy from ``policy_factory``
+    per region invocation (a stateful policy's counters restart in every region, so forward and recompute agree).
 
-    config / extra_save_ops: nemo_ac's policy (a fresh ``SelectivePolicy`` per region invocation: its matmul counter
-        restarts in every region, so forward and recompute agree), used unless ``policy`` or ``policy_factory``.
-    policy: a policy shared by every invocation (a function or a list of ops, as torch takes); policy_factory: a
-        zero-argument callable giving a fresh policy per invocation (for stateful policies).
-    region: a name for ``SACDesyncError``.
-    workarounds: install the profiler-op ignore (``workarounds.profiler_ops_in_sac``); False only to observe the
-        torch failure. (The FSDP-hook brackets go on the model after fully_shard, see ``parallelize``.)
-    install_profiler_ignore: overrides ``workarounds`` for the install alone (``nemo_ac.compat`` leaves that to
-        ``compat.install()``, process-wide and reversible).
+    The building block both factories share (this module's for nemo_ac's blocks, ``nemo_ac.compat``'s for other
+    trainers). It installs nothing process-wide: the profiler-op ignore is the caller's (``apply_ac`` as the plan
+    says, ``make_selective_checkpoint_context_fn``, ``compat.install()``).
     """
-    if policy is not None and policy_factory is not None:
-        raise ValueError("pass policy or policy_factory, not both")
-    if workarounds if install_profiler_ignore is None else install_profiler_ignore:
-        ensure_profiler_ops_sac_ignored()
-    if policy is None and policy_factory is None:
-        rules = PolicyRules.build(config if config is not None else SelectiveACConfig(), extra_save_ops=extra_save_ops)
-        log = DecisionLog.from_env()
-
-        def policy_factory() -> PolicyFn:
-            return SelectivePolicy(rules=rules, region=region, log=log)
 
     def context_fn() -> tuple[AbstractContextManager, AbstractContextManager]:
-        chosen = policy if policy is not None else policy_factory()
-        return selective_region_modes(chosen, region=region, workarounds=workarounds)
+        return selective_region_modes(policy_factory(), region=region)
 
     return context_fn
+
+
+def selective_policy_factory(config: SelectiveACConfig | None = None, *, region: str = "") -> Callable[[], PolicyFn]:
+    """nemo_ac's policy (``SelectiveACConfig`` defaults when ``config`` is None), a fresh ``SelectivePolicy`` per
+    call; ``NEMO_AC_SAC_DEBUG`` is read once, here."""
+    rules = PolicyRules.build(config if config is not None else SelectiveACConfig())
+    log = DecisionLog.from_env()
+
+    def factory() -> PolicyFn:
+        return SelectivePolicy(rules=rules, region=region, log=log)
+
+    return factory
+
+
+def make_selective_checkpoint_context_fn(*, config: SelectiveACConfig | None = None, region: str = "") -> ContextFn:
+    """nemo_ac's SAC context factory: nemo_ac's policy from ``config`` in nemo_ac's region modes, with the
+    profiler-op ignore installed where the gate says (``workarounds.profiler_ops_in_sac``: idempotent, process-wide).
+    ``region`` names the block in ``SACDesyncError``.
+
+    Other trainers use ``nemo_ac.compat.selective_checkpoint_context_fn`` (their own policy; ``compat.install()``
+    installs the ignore). The FSDP-hook brackets go on the model after fully_shard (``parallelize``).
+    """
+    ensure_profiler_ops_sac_ignored()
+    return sac_region_context_fn(selective_policy_factory(config, region=region), region=region)

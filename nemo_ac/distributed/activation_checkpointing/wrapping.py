@@ -22,13 +22,15 @@ from nemo_ac.distributed.activation_checkpointing.contexts import (
     SAC_CACHE_THROUGH_SAVED_TENSORS_HOOKS,
     ContextFn,
     compose_context_fns,
-    make_selective_checkpoint_context_fn,
+    sac_region_context_fn,
+    selective_policy_factory,
 )
 from nemo_ac.distributed.blocks import decoder_layers, vision_blocks
 from nemo_ac.distributed.plan import FORWARD_THREAD_COMPILE, ROUTING_REPLAY, SAC_MODES, BlockPlan, ParallelPlan
 from nemo_ac.models.common.routing_replay import routing_replay_context
 from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
 from nemo_ac.workarounds.fsdp_hooks_in_sac import install_fsdp_hooks_outside_sac
+from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored
 from nemo_ac.workarounds.sac_mode_passthrough import checkpoint_takes_saved_tensors_hooks_choice
 
 
@@ -58,11 +60,8 @@ def block_context_fns(block_plan: BlockPlan, *, plan: ParallelPlan) -> list[Cont
     contexts: list[ContextFn] = []
     for name in block_plan.recompute_contexts:
         if name == SAC_MODES:
-            contexts.append(
-                make_selective_checkpoint_context_fn(
-                    config=plan.selective, region=block_plan.path, workarounds=plan.ac_workarounds
-                )
-            )
+            policy_factory = selective_policy_factory(plan.selective, region=block_plan.path)
+            contexts.append(sac_region_context_fn(policy_factory, region=block_plan.path))
         elif name == FORWARD_THREAD_COMPILE:
             contexts.append(forward_thread_compile_context)
         elif name == ROUTING_REPLAY:
@@ -73,7 +72,10 @@ def block_context_fns(block_plan: BlockPlan, *, plan: ParallelPlan) -> list[Cont
 
 
 def apply_ac(model: nn.Module, *, plan: ParallelPlan) -> None:
-    """Wrap every block the plan checkpoints (decoder and vision blocks), in place."""
+    """Wrap every block the plan checkpoints (decoder and vision blocks), in place; install the profiler-op ignore
+    where the plan switches it on (``workarounds.profiler_ops_in_sac``, process-wide and idempotent)."""
+    if "profiler_ops_in_sac" in plan.workarounds:
+        ensure_profiler_ops_sac_ignored()
     for blocks, plans in ((decoder_layers(model), plan.decoder_blocks()), (vision_blocks(model), plan.vision_blocks())):
         if blocks is None:
             continue

@@ -31,7 +31,7 @@ from nemo_ac.config.schema import BackendConfig, ParallelConfig, SelectiveACConf
 from nemo_ac.distributed.activation_checkpointing import (
     PolicyRules,
     SelectivePolicy,
-    make_selective_checkpoint_context_fn,
+    sac_region_context_fn,
     wrap_block,
 )
 from nemo_ac.distributed.blocks import decoder_layers, routed_moe
@@ -144,8 +144,9 @@ def build(kind: str, ac: str, ep_mesh, counter: RecomputeCounter):
             fns = []
             if ac != "full":
                 fns.append(
-                    make_selective_checkpoint_context_fn(
-                        policy_factory=lambda rules=rules, index=index: SelectivePolicy(rules=rules, region=str(index))
+                    sac_region_context_fn(
+                        lambda rules=rules, index=index: SelectivePolicy(rules=rules, region=str(index)),
+                        region=str(index),
                     )
                 )
             blocks[index] = wrap_block(blocks[index], context_fns=[*fns, counter.context_fn])
