@@ -63,7 +63,8 @@ def _remedy(origin: OpOrigin, *, workarounds: bool) -> str:
     if origin.kind in ("profiler", "fsdp", "fsdp_or_model") and not workarounds:
         return (
             "set activation_checkpointing.workarounds: true (ignores the profiler ops and runs FSDP2's hooks "
-            "outside the SAC modes), or use activation_checkpointing.mode: full"
+            "outside the SAC modes; in your own trainer: nemo_ac.compat.install() and compat.protect_fsdp_units), "
+            "or use activation_checkpointing.mode: full"
         )
     if origin.kind == "profiler":
         return (
