@@ -57,3 +57,20 @@ def test_all_checks_in_one_report_are_ok(world):
     report.checks = run_checks()
     assert report.ok and [check["row"] for check in report.to_dict()["checks"]] == [spec.row for spec in CHECKS]
     assert "| private torch nemo_ac relies on | workarounds module | state | time (s) |" in render_table(report)
+
+
+def test_compile_events_check_holds_once_the_metrics_deque_is_full(monkeypatch):
+    """Dynamo keeps at most 64 compile records: in a process that compiled that many (a long test session, a trainer
+    before ``nemo-ac doctor``'s in-process checks) the deque's length no longer grows, and a check counting its length
+    reported ``metrics: 0`` as a broken technique."""
+    import collections
+
+    from torch._dynamo import utils as dynamo_utils
+
+    real = dynamo_utils._compilation_metrics
+    full = collections.deque((object() for _ in range(real.maxlen or 64)), maxlen=real.maxlen or 64)
+    monkeypatch.setattr(dynamo_utils, "_compilation_metrics", full)
+    torch._dynamo.reset()
+    result = run_check(next(spec for spec in CHECKS if spec.row == "dynamo_compile_events"))
+    assert result.ok, result.error
+    assert result.facts["metrics"] >= 1
