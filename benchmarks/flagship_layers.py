@@ -48,9 +48,10 @@ from _measure import count_flops, keep_freed_memory, matmul_peak, peak_bytes, re
 from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.distributed.activation_checkpointing import make_selective_checkpoint_context_fn
 from nemo_ac.distributed.blocks import decoder_layers
+from nemo_ac.distributed.plan.kernels import choose_experts_impl
 from nemo_ac.models import build_model
 from nemo_ac.models.common.attention import set_attention_kernel
-from nemo_ac.models.common.experts import GroupedExperts, choose_experts_impl
+from nemo_ac.models.common.experts import GroupedExperts
 from nemo_ac.models.init import init_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

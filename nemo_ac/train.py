@@ -98,7 +98,7 @@ def run(
             f"params {sum(p.numel() for p in model.parameters()):,} ({setup.weights})"
             + "".join(f" | frozen {group} {count:,}" for group, count in setup.frozen.items() if count)
         )
-        echo("kernels | " + " | ".join(f"{name} {choice}" for name, choice in setup.kernels.items()))
+        echo(plan.kernels.summary_line())
         echo("\n".join(plan.summary_lines()))
         echo(throughput_line(throughput))
     checkpointer = Checkpointer(

@@ -1,5 +1,5 @@
-"""What ``backend.linear_attention`` and ``backend.mamba`` need, and how ``auto`` resolves: checked before any
-process group.
+"""What ``backend.linear_attention`` and ``backend.mamba`` need: checked before any process group. ``auto`` is
+resolved with every other kernel in ``distributed.plan.kernels``, from the facts kept here.
 
 Two sequence-mixer cores have a kernel of their own on GPU besides nemo_ac's chunked torch op (the reference that
 runs everywhere): Gated DeltaNet (``fla``: flash-linear-attention's ``causal_conv1d`` + ``chunk_gated_delta_rule``
@@ -78,22 +78,6 @@ def missing_modules(kind: str) -> tuple[str, ...]:
         if not found:
             missing.append(module)
     return tuple(missing)
-
-
-def resolve_mixer_kernel(kind: str, requested: str, *, device_type: str, cp: int, cp_type: str) -> tuple[str, str]:
-    """``(kernel, why)`` for ``backend.<kind>``: the kernel the plan installs, and a note for the printed plan when
-    ``auto`` did not take the GPU kernel for a reason a reader would ask about ('' otherwise)."""
-    spec = MIXER_KERNELS[kind]
-    if requested != "auto":
-        return requested, ""
-    if cp > 1 and cp_type == "ring":
-        return "torch", "auto: ring CP passes the torch op's state"
-    if device_type != "cuda":
-        return "torch", ""
-    missing = missing_modules(kind)
-    if missing:
-        return "torch", f"auto: {', '.join(missing)} not installed"
-    return spec.kernel, ""
 
 
 def _requested(recipe: RecipeConfig) -> list[tuple[str, MixerKernel]]:

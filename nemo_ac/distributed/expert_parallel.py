@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nemo_ac.distributed.blocks import decoder_layers, routed_moe
-from nemo_ac.distributed.plan import ParallelPlan
+from nemo_ac.distributed.plan import CompileLayout, ParallelPlan
 from nemo_ac.models.common.dispatch import permute_tokens, sort_by_expert, unpermute_tokens, weighted_combine
 
 
@@ -141,7 +141,7 @@ def deepep_between_compiled_graphs(plan: ParallelPlan) -> bool:
     """Whether DeepEP's ops must run between compiled graphs: a checkpointed MoE block compiled inside its
     checkpoint (``ac_outer``) recomputes whole compiled graphs, so an op traced into one would communicate again in
     every recompute (``deepep_dispatcher``). Elsewhere (compile_outer, no AC, no compile) they are traced."""
-    return any(b.moe and b.ac != "none" and b.compile_layout == "ac_outer" for b in plan.decoder_blocks())
+    return any(b.moe and b.checkpointed and b.compile_layout is CompileLayout.AC_OUTER for b in plan.decoder_blocks())
 
 
 def build_dispatcher(
@@ -180,9 +180,9 @@ def apply_ep(
     ``build_dispatcher``.
     """
     if ep_mesh is None:
-        if plan.dispatcher != "torch":
+        if plan.kernels.dispatcher.value != "torch":
             raise ValueError(
-                f"backend.dispatcher: {plan.dispatcher!r} moves tokens between expert-parallel ranks but parallel.ep "
+                f"backend.dispatcher: {plan.kernels.dispatcher.value!r} moves tokens between expert-parallel ranks but parallel.ep "
                 "is 1; set parallel.ep > 1 or backend.dispatcher: torch"
             )
         return
@@ -193,7 +193,7 @@ def apply_ep(
     if len(num_experts) != 1:
         raise ValueError(f"MoE layers disagree on the number of experts: {sorted(num_experts)}")
     shared = build_dispatcher(
-        plan.dispatcher,
+        plan.kernels.dispatcher.value,
         ep_mesh=ep_mesh,
         num_experts=num_experts.pop(),
         deepep_between_graphs=deepep_between_compiled_graphs(plan),

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from nemo_ac.distributed.blocks import decoder_layers, routed_moe, unwrap_block, vision_blocks
-from nemo_ac.distributed.plan import ParallelPlan
+from nemo_ac.distributed.plan import FSDPUnit, ParallelPlan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,7 +61,7 @@ def apply_fsdp(
     # Vision blocks (VL families) are units of their own, like decoder blocks: the tower's weights are gathered
     # one block at a time, and a frozen tower's units have no gradients, so FSDP reduces nothing for them.
     for block, block_plan in zip(vision_blocks(model) or [], plan.vision_blocks()):
-        target = unwrap_block(block) if block_plan.fsdp_unit == "block" else block
+        target = unwrap_block(block) if block_plan.fsdp_unit is FSDPUnit.BLOCK else block
         units.append(
             fully_shard(target, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
         )
@@ -85,7 +85,7 @@ def apply_fsdp(
                     shard_placement_fn=_shard_placement_for_experts(expert_mesh),
                 )
             nested.append(unit)
-        target = unwrap_block(block) if block_plan.fsdp_unit == "block" else block
+        target = unwrap_block(block) if block_plan.fsdp_unit is FSDPUnit.BLOCK else block
         block_unit = fully_shard(
             target, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward
         )

@@ -1,4 +1,4 @@
-"""The parallelization recipe: decide the plan, then EP -> CP -> AC (+ offload) -> compile -> FSDP, each one step.
+"""The parallelization recipe: decide the plan, then kernels -> EP -> CP -> AC (+ offload) -> compile -> FSDP, each one step.
 
 ``parallelize`` returns the plan with what applying it produced (``ParallelPlan.applied``); the run prints
 ``plan.summary_lines()`` and reads the offloader and the compiled checkpoint entries from there.
@@ -18,17 +18,14 @@ from nemo_ac.config.schema import (
     ParallelConfig,
 )
 from nemo_ac.distributed.activation_checkpointing import apply_ac, install_sac_fsdp_workarounds
-from nemo_ac.distributed.blocks import decoder_layers
+from nemo_ac.distributed.apply_kernels import apply_kernels
 from nemo_ac.distributed.compile import apply_compile
 from nemo_ac.distributed.context_parallel import apply_cp
 from nemo_ac.distributed.expert_parallel import apply_ep
 from nemo_ac.distributed.fsdp import apply_fsdp
 from nemo_ac.distributed.mesh import ParallelMeshes
 from nemo_ac.distributed.offload import apply_offload
-from nemo_ac.distributed.plan import AppliedPlan, ParallelPlan, decide_plan, mixer_kernel_between_graphs
-from nemo_ac.models.common.attention import set_attention_kernel
-from nemo_ac.models.common.mixer_kernels import set_mixer_kernels
-from nemo_ac.models.common.te_backend import apply_te_backends
+from nemo_ac.distributed.plan import AppliedPlan, KernelPlan, ParallelPlan, decide_plan
 
 
 def parallelize(
@@ -40,8 +37,11 @@ def parallelize(
     activation_checkpointing: ActivationCheckpointingConfig,
     compile: CompileConfig,
     backend: BackendConfig,
+    kernels: KernelPlan | None = None,
 ) -> ParallelPlan:
-    """Decide the plan for a meta-device model, apply it in place (weights are materialized afterwards), return it."""
+    """Decide the plan for a meta-device model, apply it in place (weights are materialized afterwards), return it.
+    ``kernels``: the ``KernelPlan`` the model was built with (left out: resolved from ``backend`` for the mesh's
+    device)."""
     plan = decide_plan(
         model,
         model_config=model_config,
@@ -49,6 +49,7 @@ def parallelize(
         activation_checkpointing=activation_checkpointing,
         compile=compile,
         backend=backend,
+        kernels=kernels,
         ep=meshes.layout.ep,
         cp=meshes.layout.cp,
         device_type=meshes.device_type,
@@ -58,12 +59,7 @@ def parallelize(
 
 def apply_plan(model: nn.Module, *, plan: ParallelPlan, meshes: ParallelMeshes) -> ParallelPlan:
     """Apply a decided plan; returns it with ``applied`` filled in."""
-    # Kernels first: the attention and mixer ops the plan chose (before CP wraps them); te swaps Transformer Engine modules in.
-    set_attention_kernel(decoder_layers(model), kernel=plan.attention_kernel)
-    for block, block_plan in zip(decoder_layers(model), plan.decoder_blocks()):  # fla / mamba_ssm; CP wraps them
-        between = mixer_kernel_between_graphs(block_plan.ac, block_plan.compile_layout)
-        set_mixer_kernels(block, **dict(plan.mixer_kernels), between_compiled_graphs=between)
-    apply_te_backends(decoder_layers(model), **dict(plan.backends))
+    apply_kernels(model, plan=plan)  # first: the ops the plan chose, before EP and CP wrap them
     apply_ep(model, plan=plan, ep_mesh=meshes.ep_mesh)
     apply_cp(model, plan=plan, cp_mesh=meshes.cp)
     apply_ac(model, plan=plan)

@@ -210,7 +210,7 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
     """The dry run of ``recipe`` at ``layout`` (module docstring). Raises ``SimulationError`` naming what failed."""
     started = time.perf_counter()
     recipe, plan, device_type, kernel_notes = target_plan(recipe, layout)
-    target, _ = choose_kernels(recipe, device=torch.device(device_type))
+    target, _ = choose_kernels(recipe, device_type=device_type)
     sim_recipe, stand_ins = simulation_recipe(target, device_type=device_type)
     if layout.ep > 1:
         options.routing.check(num_experts=recipe.model.moe.num_experts, top_k=recipe.model.moe.num_experts_per_tok)

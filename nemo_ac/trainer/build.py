@@ -22,10 +22,8 @@ from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.data.sources import recipe_batches
 from nemo_ac.distributed.mesh import ParallelMeshes, build_meshes
 from nemo_ac.distributed.parallelize import parallelize
-from nemo_ac.distributed.plan import ParallelPlan, decide_plan
-from nemo_ac.models import build_model, model_dtype
-from nemo_ac.models.common.attention import choose_attention_kernel
-from nemo_ac.models.common.experts import choose_experts_impl
+from nemo_ac.distributed.plan import KernelPlan, ParallelPlan, decide_plan, recipe_kernels, with_kernels
+from nemo_ac.models import build_model
 from nemo_ac.models.freeze import freeze
 from nemo_ac.trainer.batching import make_batch_preparer
 from nemo_ac.trainer.expert_balance import expert_bias_callbacks
@@ -49,40 +47,24 @@ class TrainingSetup:
     data: Any
     weights: str  # "random init" or where the pretrained weights came from
     frozen: dict[str, int]  # parameter group -> frozen parameter count
-    plan: ParallelPlan  # what parallelize did to every block, and what it produced (offloader, compiled entries)
-    kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # kernel choices, e.g. experts -> grouped_mm
+    plan: ParallelPlan  # what parallelize did to every block, its kernels, what it produced (offloader, ...)
 
 
-def choose_kernels(recipe: RecipeConfig, *, device: torch.device) -> tuple[RecipeConfig, dict[str, str]]:
-    """The recipe with every ``auto`` kernel resolved for ``device`` and the compute dtype, and what was chosen
-    (one line of the run's start-up print). Chosen here, before the model is built, so the modules are built with
-    their kernel (no swapping afterwards)."""
-    moe = recipe.model.moe
-    compute_dtype = model_dtype(recipe.parallel.fsdp.param_dtype)
-    experts_impl = choose_experts_impl(
-        moe.experts_impl,
-        device_type=device.type,
-        dtype=compute_dtype,
-        hidden_size=moe.latent_size or recipe.model.hidden_size,
-        intermediate_size=moe.moe_intermediate_size,
-    )
-    how = "auto" if moe.experts_impl == "auto" else "set"
-    kernels = {"experts": f"{experts_impl} ({how}: {device.type} {recipe.parallel.fsdp.param_dtype})"}
-    attention = choose_attention_kernel(recipe.backend.attention, device_type=device.type)
-    how = "auto" if recipe.backend.attention == "auto" else "set"
-    kernels["attention"] = f"{attention} ({how}: {device.type})"
-    model = dataclasses.replace(recipe.model, moe=dataclasses.replace(moe, experts_impl=experts_impl))
-    backend = dataclasses.replace(recipe.backend, attention=attention)
-    return dataclasses.replace(recipe, model=model, backend=backend), kernels
+def choose_kernels(recipe: RecipeConfig, *, device_type: str) -> tuple[RecipeConfig, KernelPlan]:
+    """The run's ``KernelPlan`` for ``device_type`` (``distributed.plan.kernels``, the one place ``auto`` kernels
+    are resolved) and the recipe with it written in. Chosen before the model is built, so the modules are built
+    with their kernel (no swapping afterwards)."""
+    kernels = recipe_kernels(recipe, device_type=device_type)
+    return with_kernels(recipe, kernels), kernels
 
 
 def plan_recipe(
     recipe: RecipeConfig, layout: ParallelLayout, *, device_type: str, torch_version: str | None = None
 ) -> ParallelPlan:
     """The plan a run of ``recipe`` at ``layout`` on ``device_type`` would apply, from the model on meta (no process
-    group, no weights): what ``nemo-ac validate --plan`` prints. ``torch_version`` decides the workaround gates as if
-    that torch were running."""
-    recipe, _ = choose_kernels(recipe, device=torch.device(device_type))
+    group, no weights): what ``nemo-ac validate`` checks (``preflight``) and ``--plan`` prints. ``ConfigError``
+    for a layout the plan refuses. ``torch_version`` decides the workaround gates as if that torch were running."""
+    recipe, kernels = choose_kernels(recipe, device_type=device_type)
     return decide_plan(
         build_model(recipe.model),
         model_config=recipe.model,
@@ -90,6 +72,7 @@ def plan_recipe(
         activation_checkpointing=recipe.activation_checkpointing,
         compile=recipe.compile,
         backend=recipe.backend,
+        kernels=kernels,
         ep=layout.ep,
         cp=layout.cp,
         device_type=device_type,
@@ -98,9 +81,11 @@ def plan_recipe(
 
 
 def build_parallel_model(
-    recipe: RecipeConfig, layout: ParallelLayout, *, device: torch.device
+    recipe: RecipeConfig, layout: ParallelLayout, *, device: torch.device, kernels: KernelPlan | None = None
 ) -> tuple[nn.Module, ParallelMeshes, ParallelPlan]:
-    """Meshes, the model on meta, parallelized as the recipe says (weights not yet materialized), and its plan."""
+    """Meshes, the model on meta, parallelized as the recipe says (weights not yet materialized), and its plan.
+    ``kernels``: the ``KernelPlan`` ``recipe`` was written with (``choose_kernels``); left out, resolved for
+    ``device``."""
     meshes = build_meshes(layout, device_type=device.type)
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model)
@@ -112,14 +97,15 @@ def build_parallel_model(
         activation_checkpointing=recipe.activation_checkpointing,
         compile=recipe.compile,
         backend=recipe.backend,
+        kernels=kernels,
     )
     return model, meshes, plan
 
 
 def build_training(recipe: RecipeConfig, layout: ParallelLayout, *, device: torch.device) -> TrainingSetup:
     """The parallelized model with its weights, frozen groups, optimizer, scheduler and this rank's data."""
-    recipe, kernels = choose_kernels(recipe, device=device)
-    model, meshes, plan = build_parallel_model(recipe, layout, device=device)
+    recipe, kernels = choose_kernels(recipe, device_type=device.type)
+    model, meshes, plan = build_parallel_model(recipe, layout, device=device, kernels=kernels)
     weights = materialize_weights(model, model_config=recipe.model, device=device, seed=recipe.train.seed)
     switches = dataclasses.asdict(recipe.train.freeze)
     frozen = freeze(model, **switches) if any(switches.values()) else {}
@@ -138,7 +124,6 @@ def build_training(recipe: RecipeConfig, layout: ParallelLayout, *, device: torc
         weights=weights,
         frozen=frozen,
         plan=plan,
-        kernels=kernels,
     )
 
 

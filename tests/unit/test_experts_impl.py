@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_ac.config.schema import MoEConfig
-from nemo_ac.models.common.experts import GroupedExperts, choose_experts_impl, grouped_mm_supported
+from nemo_ac.distributed.plan.kernels import choose_experts_impl
+from nemo_ac.models.common.experts import GroupedExperts, grouped_mm_supported
 from nemo_ac.models.common.moe import MoE
 from nemo_ac.workarounds.grouped_mm_fake_rule import aten_grouped_mm_traceable
 

@@ -22,7 +22,8 @@ from nemo_ac.config import mixer_kernels as mk
 from nemo_ac.config.schema import BackendConfig, ParallelConfig, SelectiveACConfig
 from nemo_ac.distributed import activation_checkpointing as ac
 from nemo_ac.distributed.activation_checkpointing import PolicyRules, SelectivePolicy
-from nemo_ac.distributed.plan import decide_plan
+from nemo_ac.distributed.plan import Chosen, decide_plan
+from nemo_ac.distributed.plan.kernels import resolve_mixer_kernel
 from nemo_ac.models import build_model
 from nemo_ac.models.common.gated_deltanet import GatedDeltaNet
 from nemo_ac.models.common.mamba2 import Mamba2Mixer
@@ -184,7 +185,8 @@ def test_plan_auto_takes_the_torch_op_on_cpu_and_the_kernel_where_cuda_and_the_p
     monkeypatch.setattr(mk, "missing_modules", lambda kind: ("fla",) if kind == "linear_attention" else ())
     cuda_qwen = decide_plan(models["qwen"], device_type="cuda")
     assert _kernels(cuda_qwen)["linear_attention"] == "torch (auto: fla not installed)"
-    assert dict(cuda_qwen.mixer_kernels) == {"linear_attention": "torch", "mamba": "mamba_ssm"}
+    assert (cuda_qwen.kernels.linear_attention.value, cuda_qwen.kernels.mamba.value) == ("torch", "mamba_ssm")
+    assert cuda_qwen.kernels.linear_attention.reason == "auto: fla not installed"
     cuda_nemotron = decide_plan(models["nemotron"], device_type="cuda", cp=2, parallel=ParallelConfig(cp=2))
     assert _kernels(cuda_nemotron)["ssm"] == "mamba_ssm, ulysses cp2"
     explicit = decide_plan(models["qwen"], backend=BackendConfig(linear_attention="fla"))
@@ -195,12 +197,15 @@ def test_plan_auto_takes_the_torch_op_on_cpu_and_the_kernel_where_cuda_and_the_p
 def test_auto_under_ring_cp_resolves_to_the_torch_op_and_says_why(monkeypatch):
     monkeypatch.setattr(mk, "missing_modules", lambda kind: ())
     for kind, kernel in (("linear_attention", "fla"), ("mamba", "mamba_ssm")):
-        assert mk.resolve_mixer_kernel(kind, "auto", device_type="cuda", cp=2, cp_type="ulysses") == (kernel, "")
-        assert mk.resolve_mixer_kernel(kind, "auto", device_type="cuda", cp=2, cp_type="ring") == (
-            "torch",
-            "auto: ring CP passes the torch op's state",
+        assert resolve_mixer_kernel(kind, "auto", device_type="cuda", cp=2, cp_type="ulysses") == Chosen(
+            kernel, "auto: cuda"
         )
-        assert mk.resolve_mixer_kernel(kind, "auto", device_type="cpu", cp=1, cp_type="ring") == ("torch", "")
+        assert resolve_mixer_kernel(kind, "auto", device_type="cuda", cp=2, cp_type="ring") == Chosen(
+            "torch", "auto: ring CP passes the torch op's state", fallback=True
+        )
+        assert resolve_mixer_kernel(kind, "auto", device_type="cpu", cp=1, cp_type="ring") == Chosen(
+            "torch", "auto: cpu"
+        )
 
 
 def test_set_mixer_kernels_installs_the_ops_before_cp_wraps_them():

@@ -8,9 +8,21 @@ import dataclasses
 import pytest
 
 from nemo_ac.config import load_recipe, validate_recipe
-from nemo_ac.distributed.plan import decide_plan
+from nemo_ac.distributed.plan import (
+    ACMode,
+    BlockKind,
+    Chosen,
+    CompileLayout,
+    FSDPUnit,
+    NestedUnit,
+    RecomputeContext,
+    SelectiveACPlan,
+    decide_plan,
+    recipe_kernels,
+)
 from nemo_ac.models import build_model
-from nemo_ac.trainer.build import plan_recipe
+from nemo_ac.models.common.experts import GroupedExperts
+from nemo_ac.trainer.build import choose_kernels, plan_recipe
 from tests.launch import RECIPES
 
 MAKE_RUN = RECIPES / "tiny" / "qwen3_6_medpix_tiny.yaml"
@@ -91,3 +103,38 @@ def test_the_readme_shows_the_plan_make_run_prints():
     readme = (RECIPES.parent / "README.md").read_text()
     block = readme.split("<!-- plan:make-run -->\n```text\n", 1)[1].split("```", 1)[0]
     assert block.splitlines() == _plan(MAKE_RUN, world_size=4).summary_lines()
+
+
+def test_kernels_are_decided_once_and_the_model_is_built_with_them():
+    """One ``KernelPlan`` per run: the recipe the model is built from carries its experts impl, the printed kernels
+    line reads from it, and the block labels derive from it (the model is never probed for what was chosen)."""
+    recipe = load_recipe(str(MAKE_RUN))
+    kernels = recipe_kernels(recipe, device_type="cpu")
+    assert kernels.experts == Chosen("grouped_mm", "auto: cpu float32")
+    assert kernels.attention == Chosen("tiled", "auto: cpu")
+    assert kernels.summary_line().startswith(
+        "kernels | experts grouped_mm (auto: cpu float32) | attention tiled (auto: cpu) | "
+        "linear_attention torch (auto: cpu) | mamba torch (auto: cpu) | linear torch (set)"
+    )
+    built, _ = choose_kernels(recipe, device_type="cpu")
+    model = build_model(built.model)
+    assert {m.impl for m in model.modules() if isinstance(m, GroupedExperts)} == {"grouped_mm"}
+    # The label follows the plan's choice, not an attribute of the module.
+    loop = dataclasses.replace(kernels, experts=Chosen("loop", "set"))
+    plan = decide_plan(model, model_config=built.model, parallel=built.parallel, kernels=loop)
+    labels = {dict(b.kernels)["experts"] for b in plan.decoder_blocks()}
+    assert plan.kernels is loop and labels == {"loop"}
+
+
+def test_the_plan_vocabulary_is_typed():
+    plan = _plan(MAKE_RUN, world_size=4, torch_version="2.13.0")
+    block = plan.decoder_blocks()[0]
+    assert block.ac is ACMode.SELECTIVE and block.compile_layout is CompileLayout.AC_OUTER
+    assert block.fsdp_unit is FSDPUnit.WRAPPER and block.kind is BlockKind.DECODER
+    assert block.recompute_contexts == (
+        RecomputeContext.SAC_MODES,
+        RecomputeContext.FORWARD_THREAD_COMPILE,
+        RecomputeContext.ROUTING_REPLAY,
+    )
+    assert block.nested_units == (NestedUnit.ROUTER, NestedUnit.EXPERTS)
+    assert plan.selective == SelectiveACPlan()  # the policy's switches as values, no config section

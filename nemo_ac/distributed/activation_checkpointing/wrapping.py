@@ -12,12 +12,13 @@ torch warns on every SAC region under a saved-tensor hook and its next release r
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
+from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.distributed.activation_checkpointing.contexts import (
     SAC_CACHE_THROUGH_SAVED_TENSORS_HOOKS,
     ContextFn,
@@ -26,7 +27,7 @@ from nemo_ac.distributed.activation_checkpointing.contexts import (
     selective_policy_factory,
 )
 from nemo_ac.distributed.blocks import decoder_layers, vision_blocks
-from nemo_ac.distributed.plan import FORWARD_THREAD_COMPILE, ROUTING_REPLAY, SAC_MODES, BlockPlan, ParallelPlan
+from nemo_ac.distributed.plan import BlockPlan, ParallelPlan, RecomputeContext
 from nemo_ac.models.common.routing_replay import routing_replay_context
 from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
 from nemo_ac.workarounds.fsdp_hooks_in_sac import install_fsdp_hooks_outside_sac
@@ -54,21 +55,29 @@ def wrap_block(block: nn.Module, *, context_fns: Sequence[ContextFn]) -> nn.Modu
     )
 
 
+def _sac_modes(block_plan: BlockPlan, plan: ParallelPlan) -> ContextFn:
+    selective = plan.selective
+    policy = SelectiveACConfig(
+        save_every_other_mm=selective.save_every_other_mm,
+        save_communication=selective.save_communication,
+        save_router=selective.save_router,
+    )
+    # The profiler-op ignore is apply_ac's, as the plan's workarounds say; the region's modes are the same either way.
+    return sac_region_context_fn(selective_policy_factory(policy, region=block_plan.path), region=block_plan.path)
+
+
+# RecomputeContext -> its context function for one block (every member has a row: a new word needs its maker).
+_CONTEXT_MAKERS: dict[RecomputeContext, Callable[[BlockPlan, ParallelPlan], ContextFn]] = {
+    RecomputeContext.SAC_MODES: _sac_modes,
+    RecomputeContext.FORWARD_THREAD_COMPILE: lambda block_plan, plan: forward_thread_compile_context,
+    RecomputeContext.ROUTING_REPLAY: lambda block_plan, plan: routing_replay_context,
+}
+
+
 def block_context_fns(block_plan: BlockPlan, *, plan: ParallelPlan) -> list[ContextFn]:
     """The recompute contexts of one block's checkpoint, in the plan's order; ``block_plan.path`` names the SAC
     region in desync errors."""
-    contexts: list[ContextFn] = []
-    for name in block_plan.recompute_contexts:
-        if name == SAC_MODES:
-            policy_factory = selective_policy_factory(plan.selective, region=block_plan.path)
-            contexts.append(sac_region_context_fn(policy_factory, region=block_plan.path))
-        elif name == FORWARD_THREAD_COMPILE:
-            contexts.append(forward_thread_compile_context)
-        elif name == ROUTING_REPLAY:
-            contexts.append(routing_replay_context)
-        else:
-            raise ValueError(f"{block_plan.path}: unknown recompute context {name!r}")
-    return contexts
+    return [_CONTEXT_MAKERS[context](block_plan, plan) for context in block_plan.recompute_contexts]
 
 
 def apply_ac(model: nn.Module, *, plan: ParallelPlan) -> None:
@@ -82,7 +91,7 @@ def apply_ac(model: nn.Module, *, plan: ParallelPlan) -> None:
         if len(plans) != len(blocks):
             raise ValueError(f"the plan has {len(plans)} blocks for {len(blocks)} in the model")
         for index, block_plan in enumerate(plans):
-            if block_plan.ac != "none":
+            if block_plan.checkpointed:
                 blocks[index] = wrap_block(blocks[index], context_fns=block_context_fns(block_plan, plan=plan))
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.distributed.blocks import decoder_layers, unwrap_block
 from nemo_ac.distributed.compile.settings import CompileSettings, use_compile_settings
-from nemo_ac.distributed.plan import CompilePlan, Layout, ParallelPlan
+from nemo_ac.distributed.plan import CompileLayout, CompilePlan, ParallelPlan
 from nemo_ac.workarounds.compiled_regions_under_sac import ac_outer_compile_kwargs
 
 
@@ -69,7 +69,7 @@ def _scoped(forward: Callable[..., Any], settings: CompileSettings) -> Callable[
 @dataclass(frozen=True)
 class CompiledBlock:
     index: int
-    layout: Layout
+    layout: CompileLayout
     compiled: str  # class name of the module whose forward was compiled
     # (co_filename, co_firstlineno) of that forward when it traces a checkpoint (compile(AC(block))), for
     # CompileAccounting's empty-graph check; None otherwise.

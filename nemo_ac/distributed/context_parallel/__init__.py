@@ -72,6 +72,11 @@ def apply_cp(model: nn.Module, *, plan: ParallelPlan, cp_mesh: DeviceMesh | None
     for block in decoder_layers(model):
         for mixer in sequence_mixers(block):
             op = _cp_op(
-                mixer, cp_type=plan.cp_type, group=group, rank=rank, size=size, attention_kernel=plan.attention_kernel
+                mixer,
+                cp_type=plan.cp_type,
+                group=group,
+                rank=rank,
+                size=size,
+                attention_kernel=plan.kernels.attention.value,
             )
             setattr(mixer, mixer.mixer_op_name, op)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nemo_ac.models.common.flex_attention import flex_attention_available, flex_packed_attention
+from nemo_ac.models.common.flex_attention import flex_packed_attention
 from nemo_ac.models.common.packed_attention import packed_attention
 from nemo_ac.models.common.rmsnorm import RMSNorm
 from nemo_ac.models.common.rope import apply_rotary
@@ -111,13 +111,6 @@ def flex_packed_attention_op(
     """``backend.attention: flex``: FlexAttention with a document block mask (CUDA)."""
     out, _ = flex_packed_attention(q, k, v, scale=scale, **_local_kernel_inputs(q, attn))
     return out.to(q.dtype)
-
-
-def choose_attention_kernel(requested: str, *, device_type: str) -> str:
-    """``backend.attention: auto`` -> flex on CUDA (when torch has FlexAttention), tiled elsewhere; others as set."""
-    if requested != "auto":
-        return requested
-    return "flex" if device_type == "cuda" and flex_attention_available() else "tiled"
 
 
 def set_attention_kernel(layers: nn.Module, *, kernel: str) -> int:

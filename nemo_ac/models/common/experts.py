@@ -83,30 +83,11 @@ def grouped_mm_supported(*, device_type: str, dtype: torch.dtype, hidden_size: i
     )
 
 
-def choose_experts_impl(
-    requested: Literal["auto", "loop", "grouped_mm"],
-    *,
-    device_type: str,
-    dtype: torch.dtype,
-    hidden_size: int,
-    intermediate_size: int,
-) -> ExpertsImpl:
-    """``model.moe.experts_impl`` resolved for the device and compute dtype: ``auto`` is ``grouped_mm`` where it
-    is supported (``grouped_mm_supported``) and ``loop`` elsewhere; an explicit choice is returned as it is
-    (validation rejects an unsupported explicit ``grouped_mm`` before any process group starts)."""
-    if requested != "auto":
-        return requested
-    supported = grouped_mm_supported(
-        device_type=device_type, dtype=dtype, hidden_size=hidden_size, intermediate_size=intermediate_size
-    )
-    return "grouped_mm" if supported else "loop"
-
-
 class GroupedExperts(nn.Module):
     """Per-expert feed-forward over expert-contiguous rows.
 
     ``impl``: ``"grouped_mm"`` (``torch._grouped_mm`` with cumulative offsets on the device, no host sync; what
-    recipes get where it is supported, ``choose_experts_impl``) or ``"loop"`` (the reference and fallback: one
+    recipes get where it is supported, ``distributed.plan.kernels``) or ``"loop"`` (the reference and fallback: one
     matmul pair per local expert via ``torch.split`` of the counts, which syncs on ``tokens_per_expert.tolist()``).
     ``"auto"`` picks per call by the rows' device and dtype with the same rule (for modules built outside a
     recipe, e.g. fp64 tests). An expert with zero rows yields an empty slice and a zero gradient.
@@ -160,14 +141,14 @@ class GroupedExperts(nn.Module):
                 "local experts"
             )
         impl = self.impl
-        if impl == "auto":
-            impl = choose_experts_impl(
-                "auto",
+        if impl == "auto":  # a module built outside a recipe: the rule of distributed.plan.kernels, per call
+            supported = grouped_mm_supported(
                 device_type=x.device.type,
                 dtype=x.dtype,
                 hidden_size=self.hidden_size,
                 intermediate_size=self.intermediate_size,
             )
+            impl = "grouped_mm" if supported else "loop"
         if impl == "grouped_mm":
             return self._forward_grouped_mm(x, tokens_per_expert, gate_up, down)
         return self._forward_loop(x, tokens_per_expert, gate_up, down)

@@ -63,7 +63,7 @@ def main(checkpoint: str, out_path: str, overrides: list[str]) -> int:
     recipe = load_recipe(str(RECIPE), overrides)
     env = init_distributed(recipe.dist)
     layout = validate_recipe(recipe, world_size=env.world_size)
-    recipe, _ = choose_kernels(recipe, device=env.device)
+    recipe, _ = choose_kernels(recipe, device_type=env.device.type)
     root = Path(checkpoint)
     model, _, _ = build_parallel_model(recipe, layout, device=env.device)
     model.to_empty(device=env.device)

@@ -2,7 +2,7 @@
 
 ``backend.linear_attention: fla`` -> ``fla_gdn.fla_linear_attn_op`` (``nemo_ac::fla_gated_delta_rule``);
 ``backend.mamba: mamba_ssm`` -> ``mamba_ssm_kernel.mamba_ssm_op`` (``nemo_ac::mamba_chunk_scan``). The plan resolves
-the keys (``nemo_ac.config.mixer_kernels.resolve_mixer_kernel``) and ``set_mixer_kernels`` gives every mixer its op
+the keys (``nemo_ac.distributed.plan.kernels.resolve_mixer_kernel``) and ``set_mixer_kernels`` gives every mixer its op
 before context parallel wraps it, as ``set_attention_kernel`` does for softmax attention. Importing this package
 registers the ops and imports neither fla nor mamba-ssm (their imports live in the ops' CUDA bodies).
 """

@@ -1,0 +1,181 @@
+"""Every kernel a run uses, decided once: ``resolve_kernels`` is the only place an ``auto`` kernel is resolved.
+
+Inputs: the recipe's ``backend`` section and ``model.moe.experts_impl``, the run's device type and compute dtype,
+the context-parallel layout (ring CP always runs the recurrent mixers' torch ops) and which optional packages
+import here. Output: a ``KernelPlan``, one typed ``Chosen`` per kernel with the reason ``auto`` gave (``auto: cpu
+float32``). The run builds the model with the experts impl it names (``with_kernels`` puts the choices into the
+recipe before ``build_model``: a kernel is chosen when the plan is made, never swapped in after the fact); the
+parallel plan stores it (``ParallelPlan.kernels``), derives each block's kernel labels from it, and
+``apply_kernels`` installs the ops it names. Nothing reads a choice back from a module.
+
+Before this module the same choice was made in four places (the attention and experts modules, the mixer-kernel
+rules and the trainer's build) and stored three times, and the printed experts kernel was read back from the model
+with ``getattr(experts, "impl", "?")``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
+
+import torch
+
+from nemo_ac.config import mixer_kernels as mixer_facts  # the packages each kernel needs (module: patchable)
+from nemo_ac.config.schema import BackendConfig, ModelConfig, RecipeConfig
+from nemo_ac.models import model_dtype
+from nemo_ac.models.common.experts import ExpertsImpl, grouped_mm_supported
+from nemo_ac.models.common.flex_attention import flex_attention_available
+
+AttentionKernel = Literal["sdpa", "tiled", "flex", "te"]
+LinearAttentionKernel = Literal["torch", "fla"]
+MambaKernel = Literal["torch", "mamba_ssm"]
+ModuleKernel = Literal["torch", "te"]  # backend.linear / backend.rms_norm
+Dispatcher = Literal["torch", "deepep"]
+
+T = TypeVar("T", bound=str)
+
+
+@dataclass(frozen=True)
+class Chosen(Generic[T]):
+    """One kernel: its value and why. ``reason``: ``set`` (the recipe named it) or ``auto: ...`` (what auto saw).
+    ``fallback``: auto took the torch op on a device the kernel runs on (a reader would ask why: the block label
+    says it)."""
+
+    value: T
+    reason: str = "set"
+    fallback: bool = False
+
+    def describe(self) -> str:
+        return f"{self.value} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The run's kernels (``backend.*`` and ``model.moe.experts_impl`` with ``auto`` resolved)."""
+
+    experts: Chosen[ExpertsImpl]
+    attention: Chosen[AttentionKernel]
+    linear_attention: Chosen[LinearAttentionKernel]
+    mamba: Chosen[MambaKernel]
+    linear: Chosen[ModuleKernel]
+    rms_norm: Chosen[ModuleKernel]
+    dispatcher: Chosen[Dispatcher]
+
+    def te_keys(self) -> tuple[str, ...]:
+        """The ``backend.*`` keys set to te (each swaps Dynamo-disabled Transformer Engine modules into blocks)."""
+        return tuple(
+            f"backend.{key}"
+            for key, chosen in (("linear", self.linear), ("rms_norm", self.rms_norm), ("attention", self.attention))
+            if chosen.value == "te"
+        )
+
+    def summary_line(self) -> str:
+        """The run's start-up ``kernels | ...`` line."""
+        return "kernels | " + " | ".join(
+            f"{field.name} {getattr(self, field.name).describe()}" for field in dataclasses.fields(self)
+        )
+
+
+def choose_experts_impl(
+    requested: Literal["auto", "loop", "grouped_mm"],
+    *,
+    device_type: str,
+    dtype: torch.dtype,
+    hidden_size: int,
+    intermediate_size: int,
+) -> ExpertsImpl:
+    """``model.moe.experts_impl`` resolved for the device and compute dtype: ``auto`` is ``grouped_mm`` where it
+    is supported (``grouped_mm_supported``) and ``loop`` elsewhere; an explicit choice is returned as it is
+    (validation rejects an unsupported explicit ``grouped_mm`` before any process group starts)."""
+    if requested != "auto":
+        return requested
+    supported = grouped_mm_supported(
+        device_type=device_type, dtype=dtype, hidden_size=hidden_size, intermediate_size=intermediate_size
+    )
+    return "grouped_mm" if supported else "loop"
+
+
+def choose_attention_kernel(requested: str, *, device_type: str) -> AttentionKernel:
+    """``backend.attention: auto`` -> flex on CUDA (when torch has FlexAttention), tiled elsewhere; others as set."""
+    if requested != "auto":
+        return requested  # type: ignore[return-value]
+    return "flex" if device_type == "cuda" and flex_attention_available() else "tiled"
+
+
+def resolve_mixer_kernel(kind: str, requested: str, *, device_type: str, cp: int, cp_type: str) -> Chosen[str]:
+    """``backend.<kind>`` (linear_attention | mamba): the kernel the plan installs. ``auto`` takes the GPU kernel
+    where the device is CUDA and its packages import (``config.mixer_kernels``), the torch op elsewhere and under
+    ring CP (which passes the recurrent state through the torch op's initial / final state)."""
+    if requested != "auto":
+        return Chosen(requested)
+    if cp > 1 and cp_type == "ring":
+        return Chosen("torch", "auto: ring CP passes the torch op's state", fallback=True)
+    if device_type != "cuda":
+        return Chosen("torch", f"auto: {device_type}")
+    missing = mixer_facts.missing_modules(kind)
+    if missing:
+        return Chosen("torch", f"auto: {', '.join(missing)} not installed", fallback=True)
+    return Chosen(mixer_facts.MIXER_KERNELS[kind].kernel, "auto: cuda")
+
+
+def resolve_kernels(
+    *,
+    model: ModelConfig,
+    backend: BackendConfig,
+    device_type: str,
+    param_dtype: str,
+    cp: int = 1,
+    cp_type: str = "ulysses",
+) -> KernelPlan:
+    """The run's ``KernelPlan`` (module docstring). ``param_dtype``: the compute dtype's name
+    (``parallel.fsdp.param_dtype``)."""
+    moe = model.moe
+    experts = choose_experts_impl(
+        moe.experts_impl,
+        device_type=device_type,
+        dtype=model_dtype(param_dtype),
+        hidden_size=moe.latent_size or model.hidden_size,
+        intermediate_size=moe.moe_intermediate_size,
+    )
+    attention = choose_attention_kernel(backend.attention, device_type=device_type)
+
+    def how(requested: str, basis: str) -> str:
+        return f"auto: {basis}" if requested == "auto" else "set"
+
+    mixers = {
+        kind: resolve_mixer_kernel(kind, getattr(backend, kind), device_type=device_type, cp=cp, cp_type=cp_type)
+        for kind in ("linear_attention", "mamba")
+    }
+    return KernelPlan(
+        experts=Chosen(experts, how(moe.experts_impl, f"{device_type} {param_dtype}")),
+        attention=Chosen(attention, how(backend.attention, device_type)),
+        linear_attention=mixers["linear_attention"],  # type: ignore[arg-type]
+        mamba=mixers["mamba"],  # type: ignore[arg-type]
+        linear=Chosen(backend.linear),
+        rms_norm=Chosen(backend.rms_norm),
+        dispatcher=Chosen(backend.dispatcher),
+    )
+
+
+def recipe_kernels(recipe: RecipeConfig, *, device_type: str) -> KernelPlan:
+    """``resolve_kernels`` for a recipe at its own CP layout."""
+    return resolve_kernels(
+        model=recipe.model,
+        backend=recipe.backend,
+        device_type=device_type,
+        param_dtype=recipe.parallel.fsdp.param_dtype,
+        cp=recipe.parallel.cp,
+        cp_type=recipe.parallel.cp_type,
+    )
+
+
+def with_kernels(recipe: RecipeConfig, kernels: KernelPlan) -> RecipeConfig:
+    """The recipe with the model's kernels written in, so ``build_model`` builds the experts with their impl (and
+    the recipe the run saves says which ran). The mixer kernels stay as the recipe says: an explicit ``fla`` in a
+    saved recipe would be refused where the packages are missing, ``auto`` resolves the same way again."""
+    model = dataclasses.replace(
+        recipe.model, moe=dataclasses.replace(recipe.model.moe, experts_impl=kernels.experts.value)
+    )
+    backend = dataclasses.replace(recipe.backend, attention=kernels.attention.value)
+    return dataclasses.replace(recipe, model=model, backend=backend)
