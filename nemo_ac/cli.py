@@ -8,10 +8,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from nemo_ac.config import ConfigError, RecipeConfig
+from nemo_ac.config import ConfigError
 from nemo_ac.config.errors import ConfigIssue
 from nemo_ac.config.recipes import resolve_recipe, shipped_recipes
-from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.doctor.args import add_doctor_arguments
 
 
@@ -21,7 +20,7 @@ def _validate(args: argparse.Namespace) -> int:
     try:
         checked = preflight(args.recipe, args.overrides, world_size=args.world_size, check_env=args.check_env)
         recipe, layout = checked.recipe, checked.layout
-        plan_lines = _plan_lines(recipe, layout) if args.plan else []
+        plan_lines = checked.plan.summary_lines() if args.plan and checked.plan is not None else []
         memory_lines = _memory_lines(args) if args.gpu else []
     except ConfigError as exc:
         print(f"nemo-ac validate: {exc}", file=sys.stderr)
@@ -55,15 +54,6 @@ def _memory_lines(args: argparse.Namespace) -> list[str]:
         f"memory | fits {fit.gpu}: estimated peak {fit.peak_bytes / 2**30:,.1f} of {fit.usable_bytes / 2**30:,.1f} "
         f"GiB usable per rank (nemo-ac plan for the breakdown)"
     ]
-
-
-def _plan_lines(recipe: RecipeConfig, layout: ParallelLayout) -> list[str]:
-    """The parallel plan the run would print at start, decided on the model on meta (imports torch).
-    ``dist.device: auto`` resolves as the run would resolve it on this machine."""
-    from nemo_ac.distributed.env import resolve_device_type
-    from nemo_ac.trainer.build import plan_recipe
-
-    return plan_recipe(recipe, layout, device_type=resolve_device_type(recipe.dist)).summary_lines()
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -20,10 +20,15 @@ one ``ConfigError`` (each naming its key and the fix):
 6. with ``check_env`` (always for a run, ``--check-env`` for validate): the optional extras, CUDA, DeepEP and the
    torch.compile backend the recipe names (``config.environment``); and every tensor of a local
    ``model.pretrained``'s headers against the model built on the meta device: missing, unexpected, shape, dtype
-   (``trainer.hf_weights.check_pretrained_tensors``, the loader's own plan).
+   (``trainer.hf_weights.check_pretrained_tensors``, the loader's own plan);
+7. the parallel plan, always: the model built on the meta device and the plan the run would apply, decided by the
+   same code ``nemo-ac validate --plan`` prints (``trainer.build.plan_recipe``). The plan is the one judge of the
+   layout rules that need the model (compile_outer / fullgraph over nested FSDP units or modules Dynamo will not
+   trace, AC outside fully_shard under compile_outer, a mixer kind without a CP op); each becomes an issue naming
+   its key and the fix. ``Preflight.plan`` keeps it for ``--plan``.
 
 A Hub id (``data.path`` or ``model.pretrained``) is not read here: no network call. Nothing here starts a process
-group; only step 6 imports torch and builds a model, on the meta device.
+group; steps 6 and 7 import torch and build a model, on the meta device.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nemo_ac.config import ConfigError, ConfigIssue, RecipeConfig, check_environment, load_recipe, validate_recipe
 from nemo_ac.config.data_files import check_data_files
@@ -41,6 +47,9 @@ from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.trainer.checkpoint_files import check_checkpoint_paths
 from nemo_ac.trainer.export_target import checkpoint_entry, export_dir_of, overlap, replace_refusal
 
+if TYPE_CHECKING:
+    from nemo_ac.distributed.plan import ParallelPlan
+
 
 @dataclass
 class Preflight:
@@ -49,6 +58,7 @@ class Preflight:
     recipe: RecipeConfig
     layout: ParallelLayout
     notes: list[str] = field(default_factory=list)
+    plan: ParallelPlan | None = None  # the plan the run would apply on this machine's device (step 7)
 
 
 def _unwritable(path: Path) -> str | None:
@@ -171,6 +181,20 @@ def preflight(
             from nemo_ac.trainer.hf_weights import check_pretrained_tensors  # torch and the model, on meta
 
             issues += check_pretrained_tensors(recipe)
+    plan, plan_issues = check_plan(recipe, layout)
+    issues += plan_issues
     if issues:
         raise ConfigError(issues, source=recipe_path)
-    return Preflight(recipe=recipe, layout=layout, notes=notes)
+    return Preflight(recipe=recipe, layout=layout, notes=notes, plan=plan)
+
+
+def check_plan(recipe: RecipeConfig, layout: ParallelLayout) -> tuple[ParallelPlan | None, list[ConfigIssue]]:
+    """Step 7: the plan for this machine's device (``dist.device: auto`` resolved as the run resolves it), or the
+    layout rules it refuses (imports torch, builds the model on meta)."""
+    from nemo_ac.distributed.env import resolve_device_type
+    from nemo_ac.trainer.build import plan_recipe
+
+    try:
+        return plan_recipe(recipe, layout, device_type=resolve_device_type(recipe.dist)), []
+    except ConfigError as exc:
+        return None, exc.issues

@@ -296,85 +296,15 @@ def check_activation_checkpointing(recipe: RecipeConfig, world_size: int) -> lis
     return issues
 
 
-def _holds_nested_fsdp_units(recipe: RecipeConfig) -> bool:
-    """Some block shards its experts / fp32 router as their own FSDP unit (mirrors distributed.blocks)."""
-    m = recipe.model
-    if m.family == "nemotron_h":
-        has_moe = "E" in m.layer_pattern or not m.layer_pattern
-    else:
-        has_moe = m.first_k_dense_replace < m.num_layers
-    return has_moe and (m.moe.separate_fsdp_unit or m.moe.router_dtype == "float32")
-
-
-def _te_backend_keys(recipe: RecipeConfig) -> list[str]:
-    """The ``backend.*`` keys set to te (each swaps Dynamo-disabled TE modules into the blocks)."""
-    b = recipe.backend
-    return [
-        f"backend.{key}"
-        for key, value in (("linear", b.linear), ("rms_norm", b.rms_norm), ("attention", b.attention))
-        if value == "te"
-    ]
-
-
-def _nested_units_fix() -> str:
-    return "model.moe.separate_fsdp_unit=false and model.moe.router_dtype=param"
-
-
 def check_compile(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
-    """Layouts that would make Dynamo run blocks eagerly (silently) or fail on a graph break."""
-    comp, ac, data = recipe.compile, recipe.activation_checkpointing, recipe.data
+    """A compile setting that would run blocks eagerly after too many recompiles. The layout rules (compile_outer /
+    fullgraph over nested FSDP units, AC placed outside fully_shard, Transformer Engine or other untraceable
+    modules) need the model: the plan judges them (``distributed.plan.layout``), run by ``preflight`` on the model
+    built on the meta device, before any process group."""
+    comp, data = recipe.compile, recipe.data
     if not comp.enabled:
         return []
     issues = []
-    nested = _holds_nested_fsdp_units(recipe)
-    if comp.layout == "compile_outer" and ac.mode != "none":
-        why = (
-            "compile_outer traces the activation checkpoint as one region and Dynamo cannot split a region at a "
-            "graph break, so the whole block would run eagerly"
-        )
-        if ac.placement == "outside":
-            issues.append(
-                ConfigIssue(
-                    "compile.layout",
-                    f"compile_outer with activation_checkpointing.placement=outside puts the block's FSDP2 hooks "
-                    f"(never traced) inside the checkpoint; {why}. Use compile.layout=auto (ac_outer here) or "
-                    "placement=inside",
-                )
-            )
-        if nested:
-            issues.append(
-                ConfigIssue(
-                    "compile.layout",
-                    f"compile_outer: MoE blocks hold a nested FSDP unit whose hooks graph-break inside the "
-                    f"checkpoint; {why}. Use compile.layout=auto or ac_outer, or set {_nested_units_fix()}",
-                )
-            )
-    te_keys = _te_backend_keys(recipe)
-    if te_keys and comp.layout == "compile_outer" and ac.mode != "none":
-        issues.append(
-            ConfigIssue(
-                "compile.layout",
-                f"compile_outer traces each block's checkpoint as one region, and the Transformer Engine modules that "
-                f"{', '.join(te_keys)}: te put in every block are Dynamo-disabled, so each block would run eagerly; use "
-                "compile.layout=auto (ac_outer for those blocks: the rest compiles around the TE calls)",
-            )
-        )
-    if comp.fullgraph and te_keys:
-        issues.append(
-            ConfigIssue(
-                "compile.fullgraph",
-                f"true fails at the first Transformer Engine module ({', '.join(te_keys)}: te; TE's forwards are "
-                "Dynamo-disabled); set compile.fullgraph=false",
-            )
-        )
-    if comp.fullgraph and nested:
-        issues.append(
-            ConfigIssue(
-                "compile.fullgraph",
-                "true fails on the graph breaks at the nested FSDP unit's hooks inside MoE blocks; set "
-                f"compile.fullgraph=false or {_nested_units_fix()}",
-            )
-        )
     if comp.dynamic is False and data.kind == "synthetic" and not data.fixed_length and data.pad_multiple >= 1:
         lowest = -(-(data.seq_len // 2) // data.pad_multiple) * data.pad_multiple
         lengths = len(range(max(lowest, data.pad_multiple), data.seq_len + 1, data.pad_multiple))

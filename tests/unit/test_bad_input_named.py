@@ -225,18 +225,22 @@ def test_data_num_workers_is_bounded_and_read_by_text(tmp_path, capsys):
         source.close()
 
 
-def test_train_fails_in_the_preflight_before_torchrun_and_validate_imports_no_torch(tmp_path, capsys, monkeypatch):
-    """``nemo-ac train`` stops before it becomes torchrun (no process group, no model build, no weight load), and
-    the checks of ``nemo-ac validate`` without ``--check-env`` stay free of torch (a subprocess: this one has it)."""
+def test_train_fails_in_the_preflight_before_torchrun_and_the_recipe_checks_import_no_torch(
+    tmp_path, capsys, monkeypatch
+):
+    """``nemo-ac train`` stops before it becomes torchrun (no process group, no weight load), and the recipe and
+    data checks stay free of torch (a subprocess: this one has it); ``preflight``'s plan step, which builds the
+    model on meta, is the part that imports torch."""
     launched = []
     monkeypatch.setattr("os.execvpe", lambda file, command, env: launched.append(command))
     path = recipe(tmp_path, data=tmp_path / "corpsu.jsonl")
     assert cli(["train", path, "--nproc-per-node", "2"]) == 2 and not launched
     assert f"data.path: '{tmp_path / 'corpsu.jsonl'}' does not exist" in capsys.readouterr().err
     probe = (
-        "import sys; from nemo_ac.config import ConfigError; from nemo_ac.preflight import preflight\n"
-        f"try: preflight({path!r}, world_size=2, check_env=False)\n"
-        "except ConfigError as exc: print(exc.issues[0].key)\n"
+        "import sys; from nemo_ac.config import load_recipe, validate_recipe\n"
+        "from nemo_ac.config.data_files import check_data_files\n"
+        f"r = load_recipe({path!r}); validate_recipe(r, world_size=2)\n"
+        "print(check_data_files(r, [])[0].key)\n"
         "print('torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)

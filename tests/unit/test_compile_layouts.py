@@ -3,6 +3,9 @@ fallback that ``auto`` avoids (observed on a real FSDP2 model, gloo world size 1
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -15,11 +18,13 @@ from nemo_ac.distributed.activation_checkpointing.wrapping import block_context_
 from nemo_ac.distributed.blocks import decoder_layers, unwrap_block
 from nemo_ac.distributed.compile import apply_compile
 from nemo_ac.distributed.mesh import build_meshes
-from nemo_ac.distributed.parallelize import parallelize
-from nemo_ac.distributed.plan import decide_plan
+from nemo_ac.distributed.parallelize import apply_plan
+from nemo_ac.distributed.plan import CompileLayout, decide_plan
+from nemo_ac.distributed.plan.layout import recompute_contexts
 from nemo_ac.models import build_model
 from nemo_ac.models.common.routing_replay import routing_replay_context
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.preflight import preflight
 from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
 from tests.factories import packed_square_loss
 from tests.launch import RECIPES
@@ -52,7 +57,10 @@ def test_other_layout_choices():
     outside = ActivationCheckpointingConfig(mode="full", placement="outside")
     assert layouts_for(cfg, ac=outside) == ["ac_outer"] * 3  # the block's own FSDP hooks are inside the checkpoint
     assert layouts_for(cfg, ac=ActivationCheckpointingConfig(mode="none")) == ["compile_outer"] * 3
-    assert layouts_for(model_config(), CompileConfig(enabled=True, layout="compile_outer")) == ["compile_outer"] * 3
+    assert layouts_for(cfg, CompileConfig(enabled=True, layout="compile_outer")) == ["compile_outer"] * 3
+    # compile_outer over nested FSDP units would run the MoE blocks eagerly: the plan refuses it, naming the key
+    with pytest.raises(ConfigError, match=r"compile.layout: compile_outer: MoE blocks hold a nested FSDP unit"):
+        layouts_for(model_config(), CompileConfig(enabled=True, layout="compile_outer"))
     assert layouts_for(cfg, CompileConfig(enabled=True, layout="ac_outer")) == ["ac_outer"] * 3
     assert layouts_for(cfg, CompileConfig(enabled=False)) == [None] * 3
 
@@ -98,15 +106,19 @@ def test_unknown_backend_names_the_key():
 
 
 def test_validation_rejects_the_silent_eager_layouts_before_any_process_group():
+    """``nemo-ac validate``'s checks (``preflight``) reach the plan's layout rules without ``--check-env``."""
+    recipe = str(RECIPES / "tiny" / "qwen3_moe_tiny.yaml")
+
     def issues(*overrides: str) -> list[str]:
         with pytest.raises(ConfigError) as info:
-            validate_recipe(load_recipe(RECIPES / "tiny" / "qwen3_moe_tiny.yaml", list(overrides)), world_size=2)
+            preflight(recipe, list(overrides), world_size=2, check_env=False)
         return [issue.key for issue in info.value.issues]
 
     assert issues("compile.enabled=true", "compile.layout=compile_outer") == ["compile.layout"]
     assert issues("compile.enabled=true", "compile.fullgraph=true") == ["compile.fullgraph"]
     fine = ["compile.enabled=true", "compile.layout=compile_outer", "model.moe.separate_fsdp_unit=false"]
-    validate_recipe(load_recipe(RECIPES / "tiny" / "qwen3_moe_tiny.yaml", fine), world_size=2)
+    checked = preflight(recipe, fine, world_size=2, check_env=False)
+    assert checked.plan is not None and checked.plan.compile_layouts() == ["compile_outer"] * 2
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -115,20 +127,34 @@ def test_validation_rejects_the_silent_eager_layouts_before_any_process_group():
 
 def sharded_tiny(layout: str | None) -> tuple[torch.nn.Module, list]:
     """The tiny recipe (experts as a nested FSDP unit) through the production parallelizer, world size 1; the model
-    and the compiled checkpoint entries its plan reports."""
+    and the compiled checkpoint entries its plan reports. ``compile_outer``: the layout the plan refuses for these
+    blocks, forced into the decided plan to observe what the refusal prevents."""
     recipe = load_recipe(RECIPES / "tiny" / "qwen3_moe_tiny.yaml", ["model.num_layers=1"])
     layout_cfg = validate_recipe(recipe, world_size=1)
-    compile_config = CompileConfig(enabled=layout is not None, backend="aot_eager", layout=layout or "auto")
+    compile_config = CompileConfig(enabled=layout is not None, backend="aot_eager")
     model = build_model(recipe.model)
-    plan = parallelize(
+    plan = decide_plan(
         model,
-        meshes=build_meshes(layout_cfg, device_type="cpu"),
         model_config=recipe.model,
         parallel=recipe.parallel,
         activation_checkpointing=recipe.activation_checkpointing,
         compile=compile_config,
         backend=recipe.backend,
     )
+    if layout is not None:
+        forced = CompileLayout(layout)
+        contexts = functools.partial(
+            recompute_contexts,
+            layout=forced,
+            forward_thread=compile_config.forward_thread_context,
+            replay_routing=recipe.activation_checkpointing.replay_routing,
+        )
+        blocks = tuple(
+            dataclasses.replace(b, compile_layout=forced, recompute_contexts=contexts(ac_mode=b.ac, moe=b.moe))
+            for b in plan.blocks
+        )
+        plan = dataclasses.replace(plan, blocks=blocks)
+    plan = apply_plan(model, plan=plan, meshes=build_meshes(layout_cfg, device_type="cpu"))
     materialize_and_init(model, device=torch.device("cpu"), seed=0)
     return model, list(plan.applied.compiled_checkpoint_entries)
 

@@ -27,6 +27,7 @@ from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.distributed.untraceable import dynamo_disabled_modules
 from nemo_ac.models import build_model
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.preflight import preflight
 from tests.factories import packed_square_loss
 from tests.launch import RECIPES
 
@@ -97,16 +98,17 @@ def test_te_backends_are_planned_as_untraceable_without_importing_te():
     # q/k/v/o projections; input, post-attention, q and k norms. Routed experts and the router stay torch.
     assert plan.decoder_blocks()[0].untraceable == (("te.Linear", 4), ("te.RMSNorm", 4))
     assert "transformer_engine" not in sys.modules
-    # and before any process group, from the recipe alone
+    # and before any process group, in nemo-ac validate's checks (preflight builds the model on meta for the plan)
     with pytest.raises(ConfigError) as info:
-        validate_recipe(
-            load_recipe(
-                RECIPES / "tiny" / "qwen3_moe_tiny.yaml",
-                [*OVERRIDES, "backend.linear=te", "compile.enabled=true", "compile.layout=compile_outer"],
-            ),
+        preflight(
+            str(RECIPES / "tiny" / "qwen3_moe_tiny.yaml"),
+            [*OVERRIDES, "backend.linear=te", "compile.enabled=true", "compile.layout=compile_outer"],
             world_size=1,
+            check_env=False,
         )
-    assert "compile.layout" in info.value.keys
+    assert info.value.keys == ["compile.layout"]
+    assert "te.Linear x4" in str(info.value) and "backend.linear: te" in str(info.value)
+    assert "transformer_engine" not in sys.modules
 
 
 # ------------------------------------------------------------------------------------------------------------

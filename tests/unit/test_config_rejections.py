@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from nemo_ac.config import ConfigError, load_recipe, recipe_from_container, validate_recipe
 from nemo_ac.config import validate as validation
 from nemo_ac.config.schema import RecipeConfig
+from nemo_ac.distributed.plan.layout import layout_issues
+from nemo_ac.preflight import preflight
 from nemo_ac.trainer.checkpoint import check_checkpoint_paths
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -520,53 +522,7 @@ ROWS = [
         r"true with compile.enabled: .* not verified with torch.compile in nemo_ac; set compile.enabled=false",
         id="offload_compile",
     ),
-    # check_compile
-    row(
-        "check_compile",
-        ["compile.enabled=true", "compile.layout=compile_outer"],
-        "compile.layout",
-        r"compile_outer: MoE blocks hold a nested FSDP unit .* Use compile.layout=auto or ac_outer, or set "
-        r"model.moe.separate_fsdp_unit=false",
-        id="compile_outer_nested_units",
-    ),
-    row(
-        "check_compile",
-        [
-            "compile.enabled=true",
-            "compile.layout=compile_outer",
-            "model.moe.separate_fsdp_unit=false",
-            "activation_checkpointing.placement=outside",
-        ],
-        "compile.layout",
-        r"compile_outer with activation_checkpointing.placement=outside .* Use compile.layout=auto",
-        id="compile_outer_placement_outside",
-    ),
-    row(
-        "check_compile",
-        ["compile.enabled=true", "compile.fullgraph=true"],
-        "compile.fullgraph",
-        r"true fails on the graph breaks at the nested FSDP unit's hooks .* set compile.fullgraph=false",
-    ),
-    row(
-        "check_compile",
-        [
-            "compile.enabled=true",
-            "compile.layout=compile_outer",
-            "model.moe.separate_fsdp_unit=false",
-            "backend.linear=te",
-        ],
-        "compile.layout",
-        r"compile_outer traces each block's checkpoint as one region, and the Transformer Engine modules that "
-        r"backend.linear: te put in every block are Dynamo-disabled, .* use compile.layout=auto",
-        id="compile_outer_te",
-    ),
-    row(
-        "check_compile",
-        ["compile.enabled=true", "compile.fullgraph=true", "model.moe.separate_fsdp_unit=false", "backend.rms_norm=te"],
-        "compile.fullgraph",
-        r"true fails at the first Transformer Engine module \(backend.rms_norm: te; .*set compile.fullgraph=false",
-        id="fullgraph_te",
-    ),
+    # check_compile (the layout rules that need the model: PLAN_ROWS)
     row(
         "check_compile",
         ["compile.enabled=true", "compile.dynamic=false", "data.fixed_length=false", "compile.recompile_limit=4"],
@@ -682,6 +638,75 @@ ROWS = [
     row("check_checkpoint", ["checkpoint.keep_last=0"], "checkpoint.keep_last", r"must be >= 1, got 0"),
     row("check_checkpoint", ["checkpoint.resume=' '"], "checkpoint.resume", r"use none, auto or a step_<N> directory"),
 ]
+
+
+# The layout rules the plan judges on the model built on meta (``distributed.plan.layout.layout_issues``), reached
+# through ``preflight`` as ``nemo-ac validate`` (without --check-env) and every run reach them: before any process
+# group. ``rule`` names the rule of ``layout_issues``.
+PLAN_ROWS = [
+    row(
+        "compile_outer_nested",
+        ["compile.enabled=true", "compile.layout=compile_outer"],
+        "compile.layout",
+        r"compile_outer: MoE blocks hold a nested FSDP unit \(model.layers.0: experts\) .* Use compile.layout=auto "
+        r"or ac_outer, or set model.moe.separate_fsdp_unit=false",
+    ),
+    row(
+        "compile_outer_placement",
+        [
+            "compile.enabled=true",
+            "compile.layout=compile_outer",
+            "model.moe.separate_fsdp_unit=false",
+            "activation_checkpointing.placement=outside",
+        ],
+        "compile.layout",
+        r"compile_outer with activation_checkpointing.placement=outside .* Use compile.layout=auto",
+    ),
+    row(
+        "fullgraph_nested",
+        ["compile.enabled=true", "compile.fullgraph=true"],
+        "compile.fullgraph",
+        r"true fails on the graph breaks at the nested FSDP unit's hooks .* set compile.fullgraph=false",
+    ),
+    row(
+        "compile_outer_untraceable",
+        [
+            "compile.enabled=true",
+            "compile.layout=compile_outer",
+            "model.moe.separate_fsdp_unit=false",
+            "backend.linear=te",
+        ],
+        "compile.layout",
+        r"compile_outer traces model.layers.0's checkpoint as one region, and its te.Linear x4 graph-break inside "
+        r"it; Transformer Engine's forwards are Dynamo-disabled \(backend.linear: te\), .* use compile.layout=auto",
+    ),
+    row(
+        "fullgraph_untraceable",
+        ["compile.enabled=true", "compile.fullgraph=true", "model.moe.separate_fsdp_unit=false", "backend.rms_norm=te"],
+        "compile.fullgraph",
+        r"true fails at the graph breaks in model.layers.0 \(te.RMSNorm x4 are not traceable by Dynamo; Transformer "
+        r"Engine's forwards are Dynamo-disabled \(backend.rms_norm: te\)\); set compile.fullgraph=false",
+    ),
+]
+
+
+@pytest.mark.parametrize("rejection", PLAN_ROWS)
+def test_rejected_by_the_plan(rejection: Rejection):
+    """The plan's rule reports the key and message through ``preflight`` (no process group, no --check-env); the
+    unmodified recipe passes; the recipe-only rules no longer judge it (one judge)."""
+    with pytest.raises(ConfigError) as info:
+        preflight(str(TINY), list(rejection.overrides), world_size=rejection.world_size, check_env=False)
+    assert matching(info.value.issues, rejection.key, rejection.message), [str(i) for i in info.value.issues]
+    assert "invalid recipe in" in str(info.value)
+    checked = preflight(str(TINY), [], world_size=rejection.world_size, check_env=False)
+    assert checked.plan is not None
+    validate_recipe(load(*rejection.overrides), world_size=rejection.world_size)
+
+
+def test_every_plan_rule_has_a_row():
+    """Each rule ``layout_issues`` can report has a row in PLAN_ROWS."""
+    rules = set(re.findall(r'issues\["(\w+)"\] = ConfigIssue\(', inspect.getsource(layout_issues)))
+    assert rules and rules == {param.values[0].rule for param in PLAN_ROWS}
 
 
 def load(*overrides: str) -> RecipeConfig:

@@ -88,10 +88,14 @@ def test_validate_runs_the_trainers_path_checks(tmp_path: Path, capsys) -> None:
 
 
 def test_config_side_imports_no_torch() -> None:
+    """Loading (config.json filling the architecture), the recipe rules and the checkpoint-side checks stay free of
+    torch; ``preflight``'s plan step (the model on meta) is where torch comes in."""
     code = (
-        "import sys; from nemo_ac.preflight import preflight; "
-        "p = preflight('recipes/qwen3_6_35b_medpix_ep8cp2_4k.yaml', world_size=8, check_env=False); "
-        "assert p.recipe.model.num_layers == 40; assert 'torch' not in sys.modules, 'torch'"
+        "import sys; from nemo_ac.config import load_recipe, validate_recipe; "
+        "from nemo_ac.config.pretrained import check_pretrained; "
+        "r = load_recipe('recipes/qwen3_6_35b_medpix_ep8cp2_4k.yaml'); validate_recipe(r, world_size=8); "
+        "assert not check_pretrained(r); "
+        "assert r.model.num_layers == 40; assert 'torch' not in sys.modules, 'torch'"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

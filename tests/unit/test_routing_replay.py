@@ -9,6 +9,8 @@ The EP case, where the old behaviour dies with a CheckpointError, is ``tests/fun
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -44,8 +46,10 @@ def reroute_in_backward(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def tiny(ac_mode: str, *, replay: bool = True, compile_config: CompileConfig | None = None) -> nn.Module:
-    """The tiny GLM model (grouped sigmoid routing, expert bias) with the plan's AC (and compile) applied, no FSDP."""
+    """The tiny GLM model (grouped sigmoid routing, expert bias) with the plan's AC (and compile) applied, no FSDP.
+    No nested FSDP unit (none is applied here), so the plan takes an explicit compile_outer."""
     cfg = glm_config(num_layers=2)
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, separate_fsdp_unit=False, router_dtype="param"))
     model = build_model(cfg)
     ac = ActivationCheckpointingConfig(mode=ac_mode, replay_routing=replay)
     plan = decide_plan(model, activation_checkpointing=ac, compile=compile_config or CompileConfig())

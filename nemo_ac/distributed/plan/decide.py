@@ -170,7 +170,10 @@ def decide_decoder_block(
         layout=run.layout,
         fullgraph=run.fullgraph,
         ac_mode=run.ac_mode,
+        ac_outside_fsdp=run.ac_outside_fsdp,
+        nested=facts.nested_units,
         untraceable=facts.untraceable,
+        te_keys=kernels.te_keys(),
     )
     layout = resolve_layout(
         compile_enabled=run.compile_enabled,

@@ -1,7 +1,8 @@
 """The layout rules of one block: its compile layout, its recompute contexts, and the layouts that cannot work.
 
-Reached through ``decide_plan`` on the model built on the meta device: written against what the model holds
-(nested FSDP units, modules Dynamo will not trace).
+The one judge of these rules. ``nemo-ac validate`` (``preflight``) and the run both reach them through
+``decide_plan`` on the model built on the meta device, so a rule is written once, against what the model holds
+(nested FSDP units, modules Dynamo will not trace), instead of being re-derived from the recipe's keys.
 
 Why the rules: a block whose FSDP hooks run inside its checkpoint (nested units, or AC outside the block's own
 fully_shard) or that holds untraceable modules graph-breaks inside the checkpoint. compile(AC(block)) traces the
@@ -15,6 +16,12 @@ from __future__ import annotations
 from nemo_ac.config.errors import ConfigIssue
 from nemo_ac.distributed.plan.vocabulary import ACMode, CompileLayout, NestedUnit, RecomputeContext
 from nemo_ac.distributed.untraceable import describe_untraceable
+
+NESTED_UNITS_FIX = "model.moe.separate_fsdp_unit=false and model.moe.router_dtype=param"
+_EAGER_WHY = (
+    "compile_outer traces the activation checkpoint as one region and Dynamo cannot split a region at a graph "
+    "break, so the whole block would run eagerly"
+)
 
 
 def nested_units(*, moe: bool, router_fp32: bool, separate_experts: bool) -> tuple[NestedUnit, ...]:
@@ -47,6 +54,12 @@ def resolve_layout(
     return CompileLayout.AC_OUTER if breaks_inside else CompileLayout.COMPILE_OUTER
 
 
+def _te_note(untraceable: tuple[tuple[str, int], ...], te_keys: tuple[str, ...]) -> str:
+    if not te_keys or not any(name.startswith("te.") for name, _ in untraceable):
+        return ""
+    return f"; Transformer Engine's forwards are Dynamo-disabled ({', '.join(f'{key}: te' for key in te_keys)})"
+
+
 def layout_issues(
     *,
     path: str,
@@ -54,25 +67,50 @@ def layout_issues(
     layout: str,
     fullgraph: bool,
     ac_mode: ACMode,
+    ac_outside_fsdp: bool,
+    nested: tuple[NestedUnit, ...],
     untraceable: tuple[tuple[str, int], ...],
+    te_keys: tuple[str, ...],
 ) -> dict[str, ConfigIssue]:
     """The block's layouts that would run it eagerly in silence or fail at a graph break, by rule name (the plan
     reports each rule once, at the first block that breaks it)."""
     if not compile_enabled:
         return {}
     issues: dict[str, ConfigIssue] = {}
+    units = f"{path}: {', '.join(nested)}"
     if fullgraph and untraceable:
         issues["fullgraph_untraceable"] = ConfigIssue(
             "compile.fullgraph",
             f"true fails at the graph breaks in {path} ({describe_untraceable(untraceable)} are not traceable by "
-            "Dynamo); set compile.fullgraph=false",
+            f"Dynamo{_te_note(untraceable, te_keys)}); set compile.fullgraph=false",
         )
-    if layout == CompileLayout.COMPILE_OUTER and ac_mode is not ACMode.NONE and untraceable:
+    if fullgraph and nested:
+        issues["fullgraph_nested"] = ConfigIssue(
+            "compile.fullgraph",
+            f"true fails on the graph breaks at the nested FSDP unit's hooks inside MoE blocks ({units}); set "
+            f"compile.fullgraph=false or {NESTED_UNITS_FIX}",
+        )
+    if layout != CompileLayout.COMPILE_OUTER or ac_mode is ACMode.NONE:
+        return issues
+    if ac_outside_fsdp:
+        issues["compile_outer_placement"] = ConfigIssue(
+            "compile.layout",
+            "compile_outer with activation_checkpointing.placement=outside puts the block's FSDP2 hooks (never "
+            f"traced) inside the checkpoint; {_EAGER_WHY}. Use compile.layout=auto (ac_outer here) or "
+            "placement=inside",
+        )
+    if nested:
+        issues["compile_outer_nested"] = ConfigIssue(
+            "compile.layout",
+            f"compile_outer: MoE blocks hold a nested FSDP unit ({units}) whose hooks graph-break inside the "
+            f"checkpoint; {_EAGER_WHY}. Use compile.layout=auto or ac_outer, or set {NESTED_UNITS_FIX}",
+        )
+    if untraceable:
         issues["compile_outer_untraceable"] = ConfigIssue(
             "compile.layout",
             f"compile_outer traces {path}'s checkpoint as one region, and its {describe_untraceable(untraceable)} "
-            "graph-break inside it, so Dynamo would run the whole block eagerly; use compile.layout=auto or "
-            "ac_outer (the rest of the block compiles around them)",
+            f"graph-break inside it{_te_note(untraceable, te_keys)}, so Dynamo would run the whole block eagerly; "
+            "use compile.layout=auto or ac_outer (the rest of the block compiles around them)",
         )
     return issues
 
