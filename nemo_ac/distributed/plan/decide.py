@@ -265,7 +265,33 @@ def decide_plan(
             cp=cp,
             cp_type=parallel.cp_type,
         )
-    run = RunChoices(
+    run = run_choices(ac=ac, compile=compile, cp_type=parallel.cp_type, cp=cp, ep=ep)
+    decoder = decide_decoder_blocks(model, model_config=model_config, run=run, kernels=kernels)
+    vision = tuple(decide_vision_block(index, run=run) for index, _ in enumerate(vision_blocks(model) or []))
+    blocks = vision + decoder
+    return ParallelPlan(
+        blocks=blocks,
+        ep=ep,
+        cp=cp,
+        cp_type=parallel.cp_type,
+        kernels=kernels,
+        selective=selective_plan(ac),
+        fsdp=fsdp_plan(parallel),
+        compile=compile_plan(compile),
+        workarounds=run_workarounds(
+            blocks,
+            compile_backend=compile.backend if compile.enabled else None,
+            dynamic_ints=compile.enabled and compile.dynamic_ints,
+            selective_fixes=ac.mode == "selective" and ac.workarounds,
+            torch_version=torch_version,
+        ),
+    )
+
+
+def run_choices(
+    *, ac: ActivationCheckpointingConfig, compile: CompileConfig, cp_type: str, cp: int, ep: int
+) -> RunChoices:
+    return RunChoices(
         ac_mode=ACMode(ac.mode),
         ac_outside_fsdp=ac.placement == "outside",
         offload=ac.offload,
@@ -275,59 +301,59 @@ def decide_plan(
         fullgraph=compile.fullgraph,
         forward_thread=compile.enabled and compile.forward_thread_context,
         cp=cp,
-        cp_type=parallel.cp_type,
+        cp_type=cp_type,
         ep=ep,
     )
+
+
+def decide_decoder_blocks(
+    model: nn.Module, *, model_config: ModelConfig, run: RunChoices, kernels: KernelPlan
+) -> tuple[BlockPlan, ...]:
+    """Every decoder block's plan; one ``ConfigError`` listing each broken rule once (named at its first block)."""
     issues: dict[str, ConfigIssue] = {}
-    decoder: list[BlockPlan] = []
+    plans: list[BlockPlan] = []
     prefix = decoder_layers_path(model)
     for index, block in enumerate(decoder_layers(model)):
         facts = block_facts(block, path=f"{prefix}.{index}", moe_config=model_config, kernels=kernels)
         block_plan, broken = decide_decoder_block(facts, run=run, kernels=kernels)
-        decoder.append(block_plan)
+        plans.append(block_plan)
         for rule, issue in broken.items():
-            issues.setdefault(rule, issue)  # the first block that breaks a rule names it
+            issues.setdefault(rule, issue)
     if issues:
         raise ConfigError(list(issues.values()))
-    vision = [decide_vision_block(index, run=run) for index, _ in enumerate(vision_blocks(model) or [])]
-    blocks = tuple(vision + decoder)
-    return ParallelPlan(
-        blocks=blocks,
-        ep=ep,
-        cp=cp,
-        cp_type=parallel.cp_type,
-        kernels=kernels,
-        selective=SelectiveACPlan(
-            save_every_other_mm=ac.selective.save_every_other_mm,
-            save_communication=ac.selective.save_communication,
-            save_router=ac.selective.save_router,
-        ),
-        fsdp=FSDPPlan(
-            param_dtype=parallel.fsdp.param_dtype,
-            reduce_dtype=parallel.fsdp.reduce_dtype,
-            reshard_after_forward=parallel.fsdp.reshard_after_forward,
-            forward_prefetch=parallel.fsdp.forward_prefetch,
-            backward_prefetch=parallel.fsdp.backward_prefetch,
-        ),
-        compile=(
-            CompilePlan(
-                backend=compile.backend,
-                fullgraph=compile.fullgraph,
-                dynamic=compile.dynamic,
-                recompile_limit=compile.recompile_limit,
-                capture_scalar_outputs=compile.capture_scalar_outputs,
-                dynamic_ints=compile.dynamic_ints,
-            )
-            if compile.enabled
-            else None
-        ),
-        workarounds=run_workarounds(
-            blocks,
-            compile_backend=compile.backend if compile.enabled else None,
-            dynamic_ints=compile.enabled and compile.dynamic_ints,
-            selective_fixes=ac.mode == "selective" and ac.workarounds,
-            torch_version=torch_version,
-        ),
+    return tuple(plans)
+
+
+def selective_plan(ac: ActivationCheckpointingConfig) -> SelectiveACPlan:
+    policy = ac.selective
+    return SelectiveACPlan(
+        save_every_other_mm=policy.save_every_other_mm,
+        save_communication=policy.save_communication,
+        save_router=policy.save_router,
+    )
+
+
+def fsdp_plan(parallel: ParallelConfig) -> FSDPPlan:
+    fsdp = parallel.fsdp
+    return FSDPPlan(
+        param_dtype=fsdp.param_dtype,
+        reduce_dtype=fsdp.reduce_dtype,
+        reshard_after_forward=fsdp.reshard_after_forward,
+        forward_prefetch=fsdp.forward_prefetch,
+        backward_prefetch=fsdp.backward_prefetch,
+    )
+
+
+def compile_plan(compile: CompileConfig) -> CompilePlan | None:
+    if not compile.enabled:
+        return None
+    return CompilePlan(
+        backend=compile.backend,
+        fullgraph=compile.fullgraph,
+        dynamic=compile.dynamic,
+        recompile_limit=compile.recompile_limit,
+        capture_scalar_outputs=compile.capture_scalar_outputs,
+        dynamic_ints=compile.dynamic_ints,
     )
 
 
