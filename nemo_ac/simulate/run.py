@@ -30,6 +30,7 @@ from nemo_ac.data.batch import PackedBatch
 from nemo_ac.data.sources import recipe_batches
 from nemo_ac.distributed.mesh import ParallelMeshes
 from nemo_ac.distributed.plan import ParallelPlan
+from nemo_ac.distributed.plan.kernels import resolve_mixer_kernel
 from nemo_ac.models.freeze import freeze
 from nemo_ac.simulate.counters import WORLD, StepCounter
 from nemo_ac.simulate.inputs import DataAssumption, reads_offline, standin_micro_batches
@@ -94,22 +95,31 @@ def target_device_type(recipe: RecipeConfig) -> str:
     return "cuda"
 
 
-# backend.<key> -> (the GPU kernel ``auto`` takes on a CUDA node that has it, the model family that has the mixer).
-_GPU_MIXER_KERNELS = {"linear_attention": ("fla", "qwen3_5_moe"), "mamba": ("mamba_ssm", "nemotron_h")}
+# backend.<key> -> the model family that has the mixer.
+_MIXER_FAMILIES = {"linear_attention": "qwen3_5_moe", "mamba": "nemotron_h"}
 
 
 def with_gpu_kernels(
     recipe: RecipeConfig, layout: ParallelLayout, *, device_type: str
 ) -> tuple[RecipeConfig, list[str]]:
     """``auto`` mixer kernels as a CUDA node with nemo_ac's optional GPU kernels installed resolves them (fla for
-    Gated DeltaNet, mamba-ssm for Mamba-2; the torch op under ring CP), and the assumption said when one applies.
-    Their custom ops run in the dry run through their fake implementations: no kernel package is needed here."""
-    if device_type != "cuda" or (layout.cp > 1 and recipe.parallel.cp_type == "ring"):
-        return recipe, []
+    Gated DeltaNet, mamba-ssm for Mamba-2; the torch op under ring CP: ``distributed.plan.kernels``' own rule), and
+    the assumption said when one applies. Their custom ops run in the dry run through their fake implementations:
+    no kernel package is needed here."""
     changes: dict[str, str] = {}
-    for key, (kernel, family) in _GPU_MIXER_KERNELS.items():
-        if getattr(recipe.backend, key) == "auto" and recipe.model.family == family:
-            changes[key] = kernel
+    for key, family in _MIXER_FAMILIES.items():
+        if getattr(recipe.backend, key) != "auto" or recipe.model.family != family:
+            continue
+        chosen = resolve_mixer_kernel(
+            key,
+            "auto",
+            device_type=device_type,
+            cp=layout.cp,
+            cp_type=recipe.parallel.cp_type,
+            assume_installed=True,
+        )
+        if chosen.value != "torch":
+            changes[key] = chosen.value
     if not changes:
         return recipe, []
     named = ", ".join(f"backend.{key} auto -> {kernel}" for key, kernel in changes.items())

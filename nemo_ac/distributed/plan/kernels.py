@@ -103,17 +103,20 @@ def choose_attention_kernel(requested: str, *, device_type: str) -> AttentionKer
     return "flex" if device_type == "cuda" and flex_attention_available() else "tiled"
 
 
-def resolve_mixer_kernel(kind: str, requested: str, *, device_type: str, cp: int, cp_type: str) -> Chosen[str]:
+def resolve_mixer_kernel(
+    kind: str, requested: str, *, device_type: str, cp: int, cp_type: str, assume_installed: bool = False
+) -> Chosen[str]:
     """``backend.<kind>`` (linear_attention | mamba): the kernel the plan installs. ``auto`` takes the GPU kernel
     where the device is CUDA and its packages import (``config.mixer_kernels``), the torch op elsewhere and under
-    ring CP (which passes the recurrent state through the torch op's initial / final state)."""
+    ring CP (which passes the recurrent state through the torch op's initial / final state).
+    ``assume_installed``: as on a CUDA node that has the packages (the full-size dry run plans for one)."""
     if requested != "auto":
         return Chosen(requested)
     if cp > 1 and cp_type == "ring":
         return Chosen("torch", "auto: ring CP passes the torch op's state", fallback=True)
     if device_type != "cuda":
         return Chosen("torch", f"auto: {device_type}")
-    missing = mixer_facts.missing_modules(kind)
+    missing = () if assume_installed else mixer_facts.missing_modules(kind)
     if missing:
         return Chosen("torch", f"auto: {', '.join(missing)} not installed", fallback=True)
     return Chosen(mixer_facts.MIXER_KERNELS[kind].kernel, "auto: cuda")
