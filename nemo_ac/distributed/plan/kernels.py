@@ -8,9 +8,9 @@ recipe before ``build_model``: a kernel is chosen when the plan is made, never s
 parallel plan stores it (``ParallelPlan.kernels``), derives each block's kernel labels from it, and
 ``apply_kernels`` installs the ops it names. Nothing reads a choice back from a module.
 
-Before this module the same choice was made in four places (the attention and experts modules, the mixer-kernel
-rules and the trainer's build) and stored three times, and the printed experts kernel was read back from the model
-with ``getattr(experts, "impl", "?")``.
+Why one place: a choice resolved where each kernel's module lives, again in the rules and again in the trainer,
+can disagree with itself (the attention kernel the plan prints vs. the one the model runs), and a choice read back
+from a module (``getattr(experts, "impl", "?")``) prints ``?`` for a model that was built another way.
 """
 
 from __future__ import annotations
