@@ -5,7 +5,18 @@ from __future__ import annotations
 import argparse
 
 # The probes, in the order the table lists them (runner.PROBES holds what each one runs).
-PROBE_NAMES = ("upstream_profiler_ignore", "sac_profiler_ops", "sac_fsdp_prefetch", "thread_config", "recompute_thread")
+PROBE_NAMES = (
+    "upstream_profiler_ignore",
+    "sac_profiler_ops",
+    "sac_fsdp_prefetch",
+    "thread_config",
+    "recompute_thread",
+    "sac_compiled_regions",
+    "dynamic_ints",
+    "grouped_mm_fake",
+    "softplus_layout",
+    "rendezvous_restart",
+)
 
 
 def add_doctor_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

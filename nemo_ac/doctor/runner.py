@@ -40,8 +40,10 @@ class ProbeSpec:
 
     @property
     def workaround(self) -> str:
-        """What another trainer calls (the registry row's compat entry, first part)."""
-        return registry_row(self.fix).compat.split(" + ")[0].split(" / ")[0]
+        """What another trainer calls (the registry row's compat entry, first part), or for a fix internal to
+        nemo_ac the module that holds it."""
+        row = registry_row(self.fix)
+        return row.compat.split(" + ")[0].split(" / ")[0] if row.compat else f"workarounds.{row.name}"
 
     def gate(self, torch_version: str | None) -> bool:
         """Does nemo_ac enable the workaround on this torch version?"""
@@ -85,10 +87,48 @@ PROBES: tuple[ProbeSpec, ...] = (
         "nemo_ac.doctor.probes_thread.run_recompute_thread_probe",
         version_gated=False,
     ),
+    # After the compiling probes above: Dynamo and AOTAutograd are warm, these cost well under a second each.
+    ProbeSpec(
+        "sac_compiled_regions",
+        "selective AC over inductor's code reuses buffers it cached (compiled region stood in for)",
+        "compiled_regions_under_sac",
+        "nemo_ac.doctor.probes_regions.run_compiled_regions_probe",
+        version_gated=False,
+    ),
+    ProbeSpec(
+        "dynamic_ints",
+        "per-micro-batch ints specialized by Dynamo's first compile (backend eager)",
+        "dynamic_per_batch_ints",
+        "nemo_ac.doctor.probes_compile.run_dynamic_ints_probe",
+        version_gated=False,
+    ),
+    ProbeSpec(
+        "grouped_mm_fake",
+        "aten._grouped_mm's fake rule in the experts' dtypes",
+        "grouped_mm_fake_rule",
+        "nemo_ac.doctor.probes_kernels.run_grouped_mm_fake_probe",
+        version_gated=False,
+    ),
+    ProbeSpec(
+        "softplus_layout",
+        "compiled softplus backward with a transposed gradient (backend aot_eager)",
+        "softplus_backward_layout",
+        "nemo_ac.doctor.probes_compile.run_softplus_layout_probe",
+        version_gated=False,
+    ),
+    ProbeSpec(
+        "rendezvous_restart",
+        "a torchrun restart's rendezvous hands back the killed attempt's store",
+        "rendezvous_shared_store",
+        "nemo_ac.doctor.probes_launch.run_rendezvous_probe",
+        version_gated=False,
+    ),
 )
 NOTES = {
     "sac_fsdp_prefetch": "with the profiler ops ignored in both runs; the workaround needs the modes of "
     "compat.selective_checkpoint_context_fn (torch's own SAC modes do not honour it)",
+    "sac_compiled_regions": "inductor's code stood in for (no inductor compile); a recompute recompiled, as on "
+    "another thread",
 }
 
 

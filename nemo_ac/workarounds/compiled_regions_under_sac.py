@@ -25,7 +25,12 @@ Delete when: torch's SAC treats compiled regions as opaque and uncached by defau
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import torch
+
+WRAP_OPTION = "wrap_inductor_compiled_regions"
 
 
 def _inductor_compiled_code_op() -> Any:
@@ -49,5 +54,27 @@ def ac_outer_compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     compiled graph in ``inductor_compiled_code`` (other backends are returned unchanged)."""
     if kwargs.get("backend") != "inductor":
         return kwargs
-    options = {**(kwargs.get("options") or {}), "wrap_inductor_compiled_regions": True}
+    options = {**(kwargs.get("options") or {}), WRAP_OPTION: True}
     return {**kwargs, "options": options}
+
+
+def inductor_wraps_compiled_regions() -> bool:
+    """inductor's current ``wrap_inductor_compiled_regions`` (torch 2.13's default: False, so SAC sees every op of
+    inductor's code). Raises ``AttributeError`` on a torch without the option: there ``ac_outer_compile_kwargs``
+    passes an option inductor rejects, and the workaround no longer applies."""
+    from torch._inductor import config
+
+    return bool(getattr(config, WRAP_OPTION))
+
+
+def run_as_compiled_region(
+    code: Callable[[list[torch.Tensor]], list[torch.Tensor]], inputs: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``code(inputs)`` run as inductor runs a compiled graph under ``wrap_inductor_compiled_regions``: one
+    ``inductor_compiled_code`` op around a fresh compiled callable (a new id per call, as after a recompile on
+    another thread). For the doctor's compile-free probe; raises ``RuntimeError`` on a torch without the op."""
+    if _INDUCTOR_COMPILED_CODE is None:
+        raise RuntimeError("this torch has no inductor_compiled_code higher-order op to wrap compiled regions in")
+    from torch._higher_order_ops.wrap import InductorCompiledCallable
+
+    return _INDUCTOR_COMPILED_CODE(InductorCompiledCallable(code), inputs)

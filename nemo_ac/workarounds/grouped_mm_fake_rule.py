@@ -32,10 +32,11 @@ import torch
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _probe_aten_fake_rule(dtype: torch.dtype) -> bool:
-    """Whether ``aten._grouped_mm``'s fake rule accepts ``dtype`` (run once per dtype at import, outside tracing)."""
+def aten_fake_rule_error(dtype: torch.dtype) -> str | None:
+    """What ``aten._grouped_mm``'s fake rule raises for ``dtype`` at a small experts shape (None: it accepts it).
+    Runs the rule now, outside tracing: at import for ``aten_grouped_mm_traceable``, and in ``nemo-ac doctor``."""
     if not hasattr(torch, "_grouped_mm"):
-        return False
+        return "this torch has no torch._grouped_mm"
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
@@ -45,14 +46,14 @@ def _probe_aten_fake_rule(dtype: torch.dtype) -> bool:
         with FakeTensorMode():
             x, w = torch.empty(8, 16, dtype=dtype), torch.empty(2, 16, 8, dtype=dtype)
             torch._grouped_mm(x, w, offs=torch.tensor([4, 8], dtype=torch.int32))
-        return True
-    except RuntimeError:
-        return False
+        return None
+    except RuntimeError as exc:
+        return str(exc)
     finally:
         fake_log.setLevel(level)
 
 
-_ATEN_TRACEABLE = {dtype: _probe_aten_fake_rule(dtype) for dtype in GROUPED_MM_DTYPES}
+_ATEN_TRACEABLE = {dtype: aten_fake_rule_error(dtype) is None for dtype in GROUPED_MM_DTYPES}
 
 
 def custom_op_needed() -> bool:

@@ -12,6 +12,7 @@ forced off: tests/unit/test_doctor_cli.py.)
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -26,13 +27,18 @@ from tests.launch import ROOT, child_env
 
 pytestmark = [pytest.mark.workaround, pytest.mark.functional]
 
-# What each probe's run without the workaround must fail with (the documented torch errors).
+# What each probe's run without the workaround must fail with (the documented torch errors; searched as patterns).
 DOCUMENTED = {
     "upstream_profiler_ignore": "profiler._record_function_enter_new.default",
     "sac_profiler_ops": "profiler._record_function_enter_new.default invocation index",
     "sac_fsdp_prefetch": "fsdp.all_gather_copy_in.default encountered during backward but not found in storage",
     "thread_config": "saw recompile_limit=8, capture_scalar_outputs=False",
     "recompute_thread": "Recomputed values for the following tensors have different metadata",
+    "sac_compiled_regions": "Tensor cached during selective activation checkpoint has been mutated",
+    "dynamic_ints": r"Dynamo compiled \d+ graphs for 3 micro batches",
+    "grouped_mm_fake": "Expected (inputs of BF16 type|mat_a to be BFloat16)",  # 2.12 / 2.13 wording, then 2.14's
+    "softplus_layout": "view size is not compatible with input tensor's size and stride",
+    "rendezvous_restart": "handed the killed attempt's store",
 }
 BUDGET_S = 120  # the issue's bound for the whole command on CPU
 
@@ -85,7 +91,7 @@ def test_affected_exactly_where_the_gate_is_on_and_fixed_there(doctor, spec):
     )
     if gate_on:
         assert probe["status"] == "pass", probe
-        assert not off["ok"] and off["signature"] and DOCUMENTED[spec.name] in off["error"], off
+        assert not off["ok"] and off["signature"] and re.search(DOCUMENTED[spec.name], off["error"]), off
     else:
         assert probe["status"] == "not needed" and off["ok"], probe
     assert on["ok"] and not on["error"], on
@@ -100,3 +106,6 @@ def test_probes_with_workaround_reproduce_no_ac_gradients(doctor):
     expected_units = 7 if prefetch.gate(None) else 0  # 3 nested units + 3 blocks + the root, where the gate is on
     assert facts["sac_fsdp_prefetch"].get("protected_units") == expected_units
     assert facts["recompute_thread"]["max_grad_error_vs_eager"] <= 1e-4
+    assert facts["sac_compiled_regions"]["grads_match_no_ac"] is True
+    assert facts["softplus_layout"]["grads_match_eager_softplus"] is True
+    assert facts["dynamic_ints"]["graphs"] == 1
