@@ -1,8 +1,9 @@
 """Every torch failure nemo_ac works around, in one table: what it prevents, where the fix lives, when it can go.
 
-``nemo-ac doctor`` (its probes name a row), ``nemo_ac.compat`` (``status`` reads the gates) and the README's table
-(``python -m nemo_ac.workarounds --markdown``, checked by a test) read this registry instead of keeping lists of
-their own. A new workaround is a module in this package that opens with the error it prevents, the torch versions
+``nemo-ac doctor`` (each probe names a failure row, each check a technique row; every row has one, and a failure
+row's ``delete_when`` names the probe that tells), ``nemo_ac.compat`` (``status`` reads the gates) and the README's
+table (``python -m nemo_ac.workarounds --markdown``, checked by a test) read this registry instead of keeping lists
+of their own. A new workaround is a module in this package that opens with the error it prevents, the torch versions
 affected, the upstream issues and their state and the condition for deleting it, plus one row here.
 
 Two kinds of row. A ``failure`` row is a torch failure nemo_ac prevents (the README's table lists these). A
@@ -121,7 +122,8 @@ FAILURES: tuple[Workaround, ...] = (
         applied="torch.compile options of every ac_outer block; SAC modes pass the region through",
         compat="compat.ac_outer_compile_kwargs(kwargs) + compat.selective_checkpoint_context_fn",
         upstream=(),
-        delete_when="torch's SAC treats inductor_compiled_code as opaque and uncached by default",
+        delete_when="torch's SAC treats inductor_compiled_code as opaque and uncached by default (doctor: "
+        "sac_compiled_regions not affected)",
     ),
     Workaround(
         name="dynamic_per_batch_ints",
@@ -130,7 +132,8 @@ FAILURES: tuple[Workaround, ...] = (
         applied="compile settings of every compiled block (compile.dynamic_ints)",
         compat="",
         upstream=(),
-        delete_when="never as such: it is how Dynamo is told; drop names the model no longer passes",
+        delete_when="never as such: it is how Dynamo is told; drop names the model no longer passes (doctor: "
+        "dynamic_ints not affected: Dynamo no longer specializes them)",
     ),
     Workaround(
         name="grouped_mm_fake_rule",
@@ -139,7 +142,8 @@ FAILURES: tuple[Workaround, ...] = (
         applied="experts impl grouped_mm in fp32 / fp16 (models.common.grouped_gemm)",
         compat="",
         upstream=(),
-        delete_when="aten_grouped_mm_traceable(torch.float32) on every supported torch",
+        delete_when="aten_grouped_mm_traceable(torch.float32) on every supported torch (doctor: grouped_mm_fake not "
+        "affected)",
         gated=False,
         needed_probe="custom_op_needed",
     ),
@@ -150,7 +154,8 @@ FAILURES: tuple[Workaround, ...] = (
         applied="Gated DeltaNet's decay (models.common.gated_deltanet)",
         compat="",
         upstream=(),
-        delete_when="a compiled Gated DeltaNet block with F.softplus passes its tests on every supported torch",
+        delete_when="a compiled Gated DeltaNet block with F.softplus passes its tests on every supported torch "
+        "(doctor: softplus_layout not affected)",
         gated=False,
     ),
     Workaround(
@@ -160,7 +165,8 @@ FAILURES: tuple[Workaround, ...] = (
         applied="nemo-ac train --max-restarts sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; train.py warns",
         compat="",
         upstream=(Upstream("pytorch/pytorch#135712", "closed", "shared store vs restarts; fixed in 2.5 by #135957"),),
-        delete_when="the rendezvous store is per attempt on every supported torch",
+        delete_when="the rendezvous store is per attempt on every supported torch (doctor: rendezvous_restart not "
+        "affected)",
         gated=False,
     ),
 )

@@ -80,6 +80,21 @@ def test_every_module_has_a_row_and_the_doctor_checks_every_technique():
     assert {row.name for row in WORKAROUNDS if row.kind == "technique"} == {row.name for row in TECHNIQUES}
 
 
+def test_the_doctor_probes_every_failure_row_and_checks_every_technique_row():
+    """Every row of the registry is answered on the user's torch by ``nemo-ac doctor``: a failure row by at least
+    one probe (off and on), whose name its ``delete_when`` gives; a technique row by its check."""
+    probed = {row.name: [probe.name for probe in PROBES if probe.fix == row.name] for row in WORKAROUNDS}
+    checked = {check.row for check in CHECKS}
+    unanswered = [
+        row.name for row in WORKAROUNDS if not (probed[row.name] if row.kind == "failure" else row.name in checked)
+    ]
+    assert not unanswered, f"registry rows nemo-ac doctor never probes or checks: {unanswered}"
+    assert not [probe.fix for probe in PROBES if workaround(probe.fix).kind != "failure"]
+    for row in (row for row in WORKAROUNDS if row.kind == "failure"):
+        named = [name for name in probed[row.name] if re.search(rf"\b{name}\b", row.delete_when)]
+        assert named, f"{row.name}: delete_when names none of its doctor probes {probed[row.name]}"
+
+
 def test_the_readme_table_is_the_registry():
     readme = (ROOT / "README.md").read_text()
     section = readme.split("<!-- workarounds:begin -->\n", 1)[1].split("<!-- workarounds:end -->", 1)[0]
