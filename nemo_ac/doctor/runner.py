@@ -90,7 +90,7 @@ PROBES: tuple[ProbeSpec, ...] = (
     # After the compiling probes above: Dynamo and AOTAutograd are warm, these cost well under a second each.
     ProbeSpec(
         "sac_compiled_regions",
-        "selective AC over inductor's code reuses buffers it cached (compiled region stood in for)",
+        "SAC caches buffers that inductor's code reuses (a stand-in region, no compile)",
         "compiled_regions_under_sac",
         "nemo_ac.doctor.probes_regions.run_compiled_regions_probe",
         version_gated=False,
@@ -127,8 +127,7 @@ PROBES: tuple[ProbeSpec, ...] = (
 NOTES = {
     "sac_fsdp_prefetch": "with the profiler ops ignored in both runs; the workaround needs the modes of "
     "compat.selective_checkpoint_context_fn (torch's own SAC modes do not honour it)",
-    "sac_compiled_regions": "inductor's code stood in for (no inductor compile); a recompute recompiled, as on "
-    "another thread",
+    "sac_compiled_regions": "the recompute runs a recompiled region, as after a cache miss on another thread",
 }
 
 
