@@ -11,7 +11,7 @@ one). Input: ``micro_batch_size`` rows of ``seq_len`` tokens packed with variabl
 - saved bytes: activation storages held from forward to backward, each counted once, parameters excluded: what
   autograd packs (``torch.autograd.graph.saved_tensors_hooks`` around forward) plus the tensors in SAC's cache;
 - forward FLOPs: ``FlopCounterMode`` over forward (the same in every mode);
-- recompute FLOPs: backward FLOPs of the mode minus backward FLOPs of mode none (as tests/unit/test_sac_flops.py);
+- recompute FLOPs: backward FLOPs of the mode minus backward FLOPs of mode none (as tests/unit/distributed/activation_checkpointing/test_sac_flops.py);
 - step time: forward + backward, median over ``--iters`` timed iterations after ``--warmup``, modes interleaved
   iteration by iteration so machine noise hits them alike; the ratio is against mode none.
 Not a test: nothing here is asserted.

@@ -3,7 +3,7 @@
 #
 #   scripts/test_torch.sh 2.14.1                 # the tests marked workaround (what CI runs after `make test`)
 #   scripts/test_torch.sh 2.15.0 all             # the whole suite
-#   scripts/test_torch.sh 2.14.1 tests/unit/test_plan.py -k gates   # any pytest arguments
+#   scripts/test_torch.sh 2.14.1 tests/unit/distributed/test_plan.py -k gates   # any pytest arguments
 #   make test-torch TORCH=2.14.1 [TESTS=all]     # the same through make
 #
 # The venv gets `pip install torch==<version>` (whatever the configured package index serves: a CUDA build runs on

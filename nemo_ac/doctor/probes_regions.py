@@ -15,7 +15,7 @@ region's storage by the compiled callable's id, which changes when the recompute
 An inductor compile costs 15-30 s on CPU, so the probe stands in for it: ``_region_code`` is what inductor emits for
 the block (an extern ``mm`` whose output buffer is reused for a later result), run inside an autograd function as
 inductor's forward is, and every call wraps it in a fresh compiled callable (the recompute's recompile). The real
-compile is ``tests/unit/test_sac_compiled_regions.py``.
+compile is ``tests/unit/distributed/activation_checkpointing/test_sac_compiled_regions.py``.
 
 Without the workaround: torch's defaults (wrapped only if inductor wraps by default) and torch's own SAC modes. With
 it: the option ``ac_outer_compile_kwargs`` sets (checked to exist in inductor's config) and nemo_ac's SAC modes,

@@ -10,7 +10,7 @@ Two kinds of row. A ``failure`` row is a torch failure nemo_ac prevents (the REA
 ``technique`` row is a private torch API nemo_ac relies on without a failure of its own (re-classed SAC modes,
 Dynamo's compile callbacks, ...): its ``error`` field says what it relies on, its module opens with a ``Relies on:``
 line, and ``nemo-ac doctor`` checks on the installed torch that the API is still there and behaves as relied on
-(``doctor.checks``). Private torch outside this package fails ``tests/unit/test_private_torch_boundary.py``.
+(``doctor.checks``). Private torch outside this package fails ``tests/unit/workarounds/test_private_torch_boundary.py``.
 """
 
 from __future__ import annotations

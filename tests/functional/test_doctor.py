@@ -6,7 +6,7 @@ workaround is switched on, fails there without it with the documented error, and
 off (the SAC rows on torch 2.12) the probe passes without the workaround ("not needed"). On torch 2.13, 2.14 and 2.15
 every probe is affected. A torch release that fixes a failure turns its row "not needed" while its gate is still on,
 and this test fails until the gate gets its ``until``. (The table output and the exit code with nemo_ac's gates
-forced off: tests/unit/test_doctor_cli.py.)
+forced off: tests/unit/doctor/test_doctor_cli.py.)
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ in between, a tie broken another way), the tokens go to other experts:
   or hangs, when ranks disagree on how much to exchange (NeMo Automodel users hit this as "CheckpointError from
   dispatch token-count drift" with MoE + EP + full AC);
 - without it, the recompute's saved tensors no longer match the forward's graph and the gradients are silently
-  wrong (``tests/unit/test_routing_replay.py`` measures both).
+  wrong (``tests/unit/models/test_routing_replay.py`` measures both).
 
 How: the router's expert choice is one custom op, ``nemo_ac::select_experts`` (scores in, top-k expert ids out),
 opaque to Dynamo and inductor, so its Python body runs at run time even inside a compiled block. The checkpoint's

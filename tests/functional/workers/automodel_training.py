@@ -1,4 +1,4 @@
-"""Worker of tests/unit/test_compat_automodel.py (one subprocess): a few training steps through NeMo Automodel's own SAC
+"""Worker of tests/unit/compat/test_compat_automodel.py (one subprocess): a few training steps through NeMo Automodel's own SAC
 context factory (``make_selective_checkpoint_context_fn()``), with nemo_ac's compat installed into that training.
 
 ``python -m tests.functional.workers.automodel_training`` prints one JSON line ``{run: {"losses": [...], "error": ...}}``:

@@ -14,7 +14,7 @@ from nemo_ac.trainer.checkpoint import Checkpointer, CheckpointWarning, Training
 from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics, step_records
 from nemo_ac.trainer.optim import builtin_lr
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
 FLAGSHIPS = sorted((ROOT / "recipes").glob("*.yaml"))
 CPU = torch.device("cpu")

@@ -21,7 +21,7 @@ from nemo_ac.data.sources import build_batches
 from nemo_ac.trainer.metrics import step_records
 from nemo_ac.trainer.optim import build_optimizer, build_scheduler
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
 PKG = "nemo_ac_user_ext"  # no installed package has this name
 

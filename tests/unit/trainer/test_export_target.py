@@ -24,7 +24,7 @@ from nemo_ac.trainer.export_target import (
     write_blocker,
 )
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
 
 
 def _run(tmp_path: Path) -> Path:

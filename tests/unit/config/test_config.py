@@ -9,7 +9,7 @@ import pytest
 from nemo_ac.config import ConfigError, load_recipe, validate_recipe
 from nemo_ac.config.environment import check_environment
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
 
 

@@ -20,7 +20,7 @@ from nemo_ac.config import ConfigError, load_recipe, validate_recipe
 from nemo_ac.launch import failure_line
 from nemo_ac.trainer.stop import standing_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 SCRIPT = """
 import os, signal, subprocess, sys, time

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 for path in (ROOT, ROOT / "benchmarks"):  # the benchmarks import each other as top-level modules
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))

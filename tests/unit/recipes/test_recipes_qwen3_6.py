@@ -9,7 +9,7 @@ from pathlib import Path
 from nemo_ac.cli import main
 from nemo_ac.config import load_recipe
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FLAGSHIP = str(ROOT / "recipes" / "qwen3_6_35b_medpix_ep8cp2_4k.yaml")
 TINY = str(ROOT / "recipes" / "tiny" / "qwen3_6_medpix_tiny.yaml")
 

@@ -12,9 +12,8 @@ import pytest
 
 from nemo_ac.config import load_recipe
 from nemo_ac.config.pretrained import flatten, snapshot_path
+from tests.factories import GLM_45_AIR, QWEN36_35B_A3B
 from tests.launch import RECIPES
-from tests.unit.test_hf_io_config import GLM_45_AIR
-from tests.unit.test_hf_io_qwen3_5 import QWEN36_35B_A3B
 
 RETYPED = json.loads((Path(__file__).parent / "data" / "flagship_models_retyped.json").read_text())
 FLAGSHIPS = {

@@ -31,7 +31,7 @@ from nemo_ac.trainer.checkpoint import (
 )
 from nemo_ac.trainer.loop import Trainer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
 SMALL = ["data.seq_len=40", "train.global_batch_size=2", "train.micro_batch_size=2", "train.steps=4"]
 CPU = torch.device("cpu")

@@ -1,7 +1,7 @@
 """The doctor's probes, each run in this process with its workaround forced off and on, and how runs become
 verdicts and an exit code. The two expensive probes (2 processes; inductor-free compiles on two threads) are run
 forced off and on by the whole ``nemo-ac doctor`` command, once per session, in tests/functional/test_doctor.py,
-and the recompute-thread probe again by tests/unit/test_compat_automodel.py with Automodel's SAC factory.
+and the recompute-thread probe again by tests/unit/compat/test_compat_automodel.py with Automodel's SAC factory.
 
 On torch 2.13 every probe is affected: off must fail with the documented error, on must pass with the gradients of
 the same model without activation checkpointing. Forcing nemo_ac's gate off (``torch_version="2.12.0"``) must turn

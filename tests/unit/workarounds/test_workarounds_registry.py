@@ -17,7 +17,7 @@ from nemo_ac.workarounds.registry import TECHNIQUES
 
 pytestmark = pytest.mark.workaround  # the torch-release regression subset (scripts/test_torch.sh)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "nemo_ac"
 
 

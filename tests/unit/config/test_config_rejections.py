@@ -28,7 +28,7 @@ from nemo_ac.distributed.plan.layout import layout_issues
 from nemo_ac.preflight import preflight
 from nemo_ac.trainer.checkpoint import check_checkpoint_paths
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
 MEDPIX = ["data.kind=medpix", "model.family=qwen3_5_moe", "data.path=some/dir"]
 

@@ -14,47 +14,9 @@ from nemo_ac.models import build_model
 from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.hf import export_hf_checkpoint, hf_config_dict, load_hf_checkpoint, read_hf_config
 from nemo_ac.models.init import materialize_and_init
-from tests.factories import CONFIGS
+from tests.factories import CONFIGS, GLM_45_AIR
 
 pytest.importorskip("safetensors.torch", reason="HF checkpoint IO needs safetensors")
-
-# zai-org/GLM-4.5-Air config.json as published (transformers 4.54 era: legacy top-level rope keys).
-GLM_45_AIR = {
-    "architectures": ["Glm4MoeForCausalLM"],
-    "attention_bias": True,
-    "attention_dropout": 0.0,
-    "pad_token_id": 151329,
-    "eos_token_id": [151329, 151336, 151338],
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 4096,
-    "partial_rotary_factor": 0.5,
-    "initializer_range": 0.02,
-    "intermediate_size": 10944,
-    "max_position_embeddings": 131072,
-    "model_type": "glm4_moe",
-    "moe_intermediate_size": 1408,
-    "norm_topk_prob": True,
-    "num_attention_heads": 96,
-    "n_group": 1,
-    "topk_group": 1,
-    "n_routed_experts": 128,
-    "n_shared_experts": 1,
-    "routed_scaling_factor": 1.0,
-    "num_experts_per_tok": 8,
-    "first_k_dense_replace": 1,
-    "num_hidden_layers": 46,
-    "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-05,
-    "rope_scaling": None,
-    "rope_theta": 1000000,
-    "num_nextn_predict_layers": 1,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    "use_qk_norm": False,
-    "vocab_size": 151552,
-}
 
 
 def _write(root: Path, config: dict) -> Path:

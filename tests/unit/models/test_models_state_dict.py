@@ -4,7 +4,7 @@ The HF mapping (``nemo_ac.models.hf``) and DCP checkpoints address parameters by
 ``nemo_ac.models.init`` seeds each tensor from its name; a refactor of the model classes that renames, reorders
 into another module, reshapes or re-inits a parameter would load or init silently wrong. The record in
 ``data/model_state_dicts.json`` was taken from the model code before the families shared one CausalLM base;
-regenerate it (``python tests/unit/test_models_state_dict.py``) only for an intended rename, and say so in the
+regenerate it (``python tests/unit/models/test_models_state_dict.py``) only for an intended rename, and say so in the
 commit.
 """
 

@@ -5,7 +5,7 @@
 - saved bytes: activation bytes held from forward to backward (parameters excluded, storages counted once):
   what autograd saves (no AC), the block input that checkpoint keeps (full AC), plus SAC's cache (selective).
 
-Run ``pytest -s tests/unit/test_sac_flops.py`` to see the table.
+Run ``pytest -s tests/unit/distributed/activation_checkpointing/test_sac_flops.py`` to see the table.
 """
 
 from __future__ import annotations
