@@ -242,8 +242,13 @@ class ParallelConfig:
 class SelectiveACConfig:
     """What the selective (SAC) policy saves in forward instead of recomputing; attention is always saved."""
 
-    # Save every other matmul's output (torchtitan's policy); False saves every matmul.
+    # False saves every matmul's output. True saves the matmuls worth their bytes (matmul_min_flops_per_byte) or,
+    # with that at 0, every other matmul (torchtitan's rule).
     save_every_other_mm: bool = True
+    # Save a matmul's output when recomputing it costs at least this many FLOPs per byte held: 2 x contraction width /
+    # output element size (a bf16 projection out of a 2048-wide hidden state: 2048; an expert's down projection: its
+    # expert width). 0: every other matmul. docs/sac.md has the frontier this default was chosen on.
+    matmul_min_flops_per_byte: int = 2048
     # Save outputs of collectives (all-to-all, reduce-scatter) so recompute does not communicate again.
     save_communication: bool = True
     # Save router top-k / sort outputs so recompute routes every token to the same experts.

@@ -1,11 +1,13 @@
 """The selective-AC policy: what a region saves and what it recomputes.
 
 Saved: compute-intensive ops from torch's partitioner list (attention, convolution, ...), the mixer kernels' ops
-(``nemo_ac::fla_gated_delta_rule``, ``nemo_ac::mamba_chunk_scan``: the whole Gated DeltaNet / Mamba-2 core), every
-other matmul (torchtitan's policy; ``selective.save_every_other_mm: false`` saves all); router top-k / sort outputs and the
-router's ``nemo_ac::select_experts`` (``models.common.routing_replay``, which also covers full AC and compiled
-regions), so the recompute routes every token to the same experts (with ``tokens_per_expert.tolist()`` in the experts loop a
-different routing would change the op stream itself); outputs of functional collectives (all-to-all,
+(``nemo_ac::fla_gated_delta_rule``, ``nemo_ac::mamba_chunk_scan``: the whole Gated DeltaNet / Mamba-2 core), the
+matmuls (dense and grouped expert GEMMs) whose recompute costs at least ``selective.matmul_min_flops_per_byte``
+FLOPs per byte of output held (``matmul_flops_per_byte``: a bf16 projection out of a 2048-wide hidden state is 2048;
+0: every other matmul, torchtitan's rule; ``selective.save_every_other_mm: false`` saves all); router top-k / sort
+outputs and the router's ``nemo_ac::select_experts`` (``models.common.routing_replay``, which also covers full AC and
+compiled regions), so the recompute routes every token to the same experts (with ``tokens_per_expert.tolist()`` in the
+experts loop a different routing would change the op stream itself); outputs of functional collectives (all-to-all,
 reduce-scatter, all-gather; DeepEP's dispatch / combine, ``nemo_ac.distributed.deepep_ops``), so the recompute does
 not communicate again. Never saved: an op that mutates an input (``aten.copy_``, ``scatter_``, FSDP's copy-out):
 replaying a cached result skips the mutation, e.g. ``inverse_permutation``'s ``inv.scatter_`` or FSDP filling
@@ -56,6 +58,8 @@ _MATMULS = (
     "nemo_ac::grouped_mm",  # the traceable fp32 grouped GEMM (nemo_ac.workarounds.grouped_mm_fake_rule)
 )
 _MATMULS_OPTIONAL = ("aten::_scaled_grouped_mm",)
+# Where the two matrices sit in each matmul's arguments (addmm / baddbmm take the bias first).
+_OPERANDS_AT = {"addmm": 1, "baddbmm": 1}
 _ATTENTION = (
     "aten::_scaled_dot_product_flash_attention",
     "aten::_scaled_dot_product_efficient_attention",
@@ -96,6 +100,7 @@ class PolicyRules:
     router: frozenset
     communication: frozenset
     save_every_other_mm: bool
+    matmul_min_flops_per_byte: int
     save_router: bool
     save_communication: bool
 
@@ -109,9 +114,40 @@ class PolicyRules:
             router=_packets(*_ROUTER),
             communication=_packets(*_COMMUNICATION),
             save_every_other_mm=config.save_every_other_mm,
+            matmul_min_flops_per_byte=config.matmul_min_flops_per_byte,
             save_router=config.save_router,
             save_communication=config.save_communication,
         )
+
+
+def matmul_flops_per_byte(func: Any, args: Sequence[Any]) -> float | None:
+    """Recompute FLOPs per byte of output of matmul ``func`` called with ``args``: ``2 K / output element size`` for
+    a contraction of width ``K``, whatever the other sizes. None when the operands are not tensors or ``K`` is
+    symbolic (a dynamic length under ``torch.compile``: comparing it would add a guard, a recompile per length); the
+    every-other counter decides those.
+
+    Saving an output of ``M x N`` elements holds ``M N b`` bytes and spares ``2 M N K`` FLOPs of recompute, so the
+    ratio is the contraction alone: a projection out of the hidden state (``K`` = hidden) is worth its bytes ``hidden /
+    expert width`` times more than an expert's down projection (``K`` = expert width), whose output (``top_k`` rows of
+    hidden width per token) is the largest activation of an MoE block. Counting matmuls every other saves whichever
+    falls on an odd index: at Qwen3.6's width that saved the experts' down projection and recomputed their gate/up,
+    and the MoE block held 18.7 MiB per 512 tokens for 19.3 GFLOP of recompute, where this ratio at 2048 holds 11.1
+    MiB for 9.7 (``benchmarks/sac_frontier.py``, docs/sac.md). The ratio is read from the operands' shapes and
+    dtypes only (the policy sees no output): forward and recompute decide alike.
+    """
+    at = _OPERANDS_AT.get(getattr(getattr(func, "overloadpacket", func), "__name__", ""), 0)
+    if len(args) < at + 2:
+        return None
+    a, b = args[at], args[at + 1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2:
+        return None
+    contraction = a.shape[-1]
+    if not isinstance(contraction, int):
+        return None
+    if a.dim() == 2 and b.dim() == 2 and len(args) > at + 2 and isinstance(args[at + 2], torch.Tensor):
+        contraction = contraction / max(1, args[at + 2].numel())  # grouped contraction: E outputs share K
+    out_dtype = next((arg for arg in args[at + 2 :] if isinstance(arg, torch.dtype)), None)
+    return 2 * contraction / (out_dtype or a.dtype).itemsize
 
 
 def _is_mutating(func: Any) -> bool:
@@ -134,7 +170,9 @@ class SelectivePolicy:
         self.log = log
         self._matmul_count = {False: 0, True: 0}
 
-    def decide(self, func: Any, *, is_recompute: bool = False) -> tuple[CheckpointPolicy, str]:
+    def decide(
+        self, func: Any, *, is_recompute: bool = False, args: Sequence[Any] = ()
+    ) -> tuple[CheckpointPolicy, str]:
         rules = self.rules
         packet = getattr(func, "overloadpacket", func)
         namespace = getattr(func, "namespace", "")
@@ -150,6 +188,13 @@ class SelectivePolicy:
             if rules.save_router:
                 return CheckpointPolicy.MUST_SAVE, "router top-k/sort: expert assignment stable in recompute"
             return CheckpointPolicy.PREFER_RECOMPUTE, "router op (selective.save_router=false)"
+        if packet in rules.matmuls and rules.save_every_other_mm and rules.matmul_min_flops_per_byte > 0:
+            ratio = matmul_flops_per_byte(func, args)
+            if ratio is not None:
+                threshold = rules.matmul_min_flops_per_byte
+                if ratio >= threshold:
+                    return CheckpointPolicy.MUST_SAVE, f"matmul: {ratio:.0f} FLOP per byte held >= {threshold}: saved"
+                return CheckpointPolicy.PREFER_RECOMPUTE, f"matmul: {ratio:.0f} FLOP per byte held < {threshold}"
         if packet in rules.matmuls:
             self._matmul_count[is_recompute] += 1
             count = self._matmul_count[is_recompute]
@@ -161,7 +206,7 @@ class SelectivePolicy:
         return CheckpointPolicy.PREFER_RECOMPUTE, "cheap to recompute"
 
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        decision, reason = self.decide(func, is_recompute=bool(getattr(ctx, "is_recompute", False)))
+        decision, reason = self.decide(func, is_recompute=bool(getattr(ctx, "is_recompute", False)), args=args)
         if self.log is not None and self.log.enabled:
             self.log.record(op=str(func), decision=decision.name, reason=reason, region=self.region)
         return decision

@@ -59,6 +59,7 @@ def _sac_modes(block_plan: BlockPlan, plan: ParallelPlan) -> ContextFn:
     selective = plan.selective
     policy = SelectiveACConfig(
         save_every_other_mm=selective.save_every_other_mm,
+        matmul_min_flops_per_byte=selective.matmul_min_flops_per_byte,
         save_communication=selective.save_communication,
         save_router=selective.save_router,
     )

@@ -328,6 +328,7 @@ def selective_plan(ac: ActivationCheckpointingConfig) -> SelectiveACPlan:
     policy = ac.selective
     return SelectiveACPlan(
         save_every_other_mm=policy.save_every_other_mm,
+        matmul_min_flops_per_byte=policy.matmul_min_flops_per_byte,
         save_communication=policy.save_communication,
         save_router=policy.save_router,
     )

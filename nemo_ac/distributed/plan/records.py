@@ -82,6 +82,7 @@ class SelectiveACPlan:
     installed is the run's ``workarounds`` (``activation_checkpointing.workarounds`` and the version gate)."""
 
     save_every_other_mm: bool = True
+    matmul_min_flops_per_byte: int = 2048
     save_communication: bool = True
     save_router: bool = True
 

@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from nemo_ac.config.schema import ModelConfig, MoEConfig, SelectiveACConfig
 from nemo_ac.distributed import activation_checkpointing as ac
+from nemo_ac.distributed.activation_checkpointing.policy import matmul_flops_per_byte
 from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.common.rope import RotaryEmbedding
 from nemo_ac.models.init import init_weights
@@ -29,6 +30,15 @@ pytestmark = pytest.mark.usefixtures("private_sac_ignored_ops")
 # Sequence length 40 differs from every model dimension (64, 16, 32, 8, 4, 2).
 CFG = ModelConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe=MoEConfig())
 B, S = 2, 40
+# The selective configs measured. The default saves a matmul from 2048 FLOPs per byte held (a bf16 projection out of
+# a 2048-wide hidden state); at this block's width (fp32, hidden 64) its analogue is 32: the projections out of the
+# hidden state are saved, the experts' down projections (contraction over the expert width, 32) recomputed.
+SELECTIVE = {
+    "selective": SelectiveACConfig(matmul_min_flops_per_byte=32),
+    "selective_default": SelectiveACConfig(),
+    "selective_every_other": SelectiveACConfig(matmul_min_flops_per_byte=0),
+    "selective_all_mm": SelectiveACConfig(save_every_other_mm=False),
+}
 
 
 def _inputs():
@@ -91,9 +101,7 @@ def measure(mode: str) -> dict:
     else:
         own = []
         if mode.startswith("selective"):
-            factory = ac.make_selective_checkpoint_context_fn(
-                config=SelectiveACConfig(save_every_other_mm=mode == "selective"), region="moe_block"
-            )
+            factory = ac.make_selective_checkpoint_context_fn(config=SELECTIVE[mode], region="moe_block")
 
             def spying():
                 forward, recompute = factory()
@@ -123,7 +131,7 @@ def measure(mode: str) -> dict:
 
 
 def test_selective_saves_less_than_none_and_recomputes_less_than_full():
-    results = {mode: measure(mode) for mode in ("none", "full", "selective", "selective_all_mm")}
+    results = {mode: measure(mode) for mode in ("none", "full", *SELECTIVE)}
     base = results["none"]
     print("\nMoE block (H=64, 8 experts top-2, B=2, S=40), fp32, CPU")
     print(f"{'mode':18s} {'fwd GFLOP':>10s} {'bwd GFLOP':>10s} {'recompute GFLOP':>16s} {'saved KiB':>10s}")
@@ -136,7 +144,7 @@ def test_selective_saves_less_than_none_and_recomputes_less_than_full():
     none, full, sel, sel_all = (results[m] for m in ("none", "full", "selective", "selective_all_mm"))
     assert len({r["forward_flops"] for r in results.values()}) == 1
     # Full AC recomputes the forward's matmuls/attention (early stop may skip the last ones); selective only the
-    # every-other matmuls it chose not to save; saving every matmul and attention recomputes no FLOPs at all.
+    # matmuls it chose not to save; saving every matmul and attention recomputes no FLOPs at all.
     assert 0 < sel["recompute_flops"] < full["recompute_flops"] <= full["forward_flops"]
     assert full["recompute_flops"] >= 0.5 * full["forward_flops"]
     assert sel_all["recompute_flops"] == 0
@@ -148,16 +156,23 @@ def test_selective_saves_less_than_none_and_recomputes_less_than_full():
     # replayed, not recomputed.
     assert {"nemo_ac.select_experts.default", "aten.sort.stable"} <= sel["cached_ops"], sel["cached_ops"]
     assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in sel["cached_ops"]
-    for mode in ("full", "selective", "selective_all_mm"):
+    # At this width no matmul reaches the default's 2048 FLOPs per byte: it holds less than the rule that saves
+    # some, for more recompute. The FLOP-per-byte rule lies below the line from the every-other rule's point to
+    # saving every matmul: fewer recompute FLOPs for the bytes it holds (benchmarks/sac_frontier.py, at width).
+    default, every_other = results["selective_default"], results["selective_every_other"]
+    assert default["saved_bytes"] < sel["saved_bytes"] and default["recompute_flops"] > sel["recompute_flops"]
+    slope = (sel_all["recompute_flops"] - every_other["recompute_flops"]) / (
+        sel_all["saved_bytes"] - every_other["saved_bytes"]
+    )
+    on_line = every_other["recompute_flops"] + slope * (sel["saved_bytes"] - every_other["saved_bytes"])
+    assert sel["recompute_flops"] < on_line
+    for mode in ("full", *SELECTIVE):
         for name, grad in none["grads"].items():
             torch.testing.assert_close(results[mode]["grads"][name], grad, rtol=0, atol=0, msg=f"{mode}: {name}")
 
 
-@pytest.mark.parametrize("experts_impl", ["loop", "grouped_mm"])
-@pytest.mark.parametrize("save_every_other_mm", [True, False])
-def test_matmul_decisions_alternate_within_the_block(save_every_other_mm, experts_impl):
-    """Every matmul of the block (attention projections, router, the experts' linears: two per expert in the loop,
-    two grouped GEMMs for all experts with grouped_mm) in order: saved, recomputed, saved, ... (or all saved)."""
+def _matmul_decisions(config: SelectiveACConfig, *, experts_impl: str) -> list[tuple[str, str, float | None]]:
+    """(op, decision, FLOPs per byte held) of every matmul of the block's forward, in order."""
     decisions = []
     policy_cls = ac.SelectivePolicy
 
@@ -165,7 +180,7 @@ def test_matmul_decisions_alternate_within_the_block(save_every_other_mm, expert
         def __call__(self, ctx, func, *args, **kwargs):
             decision = super().__call__(ctx, func, *args, **kwargs)
             if getattr(func, "overloadpacket", None) in self.rules.matmuls:
-                decisions.append(decision.name)
+                decisions.append((str(func), decision.name, matmul_flops_per_byte(func, args)))
             return decision
 
     with pytest.MonkeyPatch.context() as patch:
@@ -174,11 +189,35 @@ def test_matmul_decisions_alternate_within_the_block(save_every_other_mm, expert
         cfg = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, experts_impl=experts_impl))
         block = DecoderLayer(cfg, layer_idx=0)
         init_weights(block, seed=0, init_std=0.02, family="qwen3_moe")
-        factory = ac.make_selective_checkpoint_context_fn(
-            config=SelectiveACConfig(save_every_other_mm=save_every_other_mm)
-        )
+        factory = ac.make_selective_checkpoint_context_fn(config=config)
         hidden, rope, attn = _inputs()
         ac.wrap_block(block, context_fns=[factory])(hidden.requires_grad_(), rope=rope, attn=attn)
+    return decisions
+
+
+@pytest.mark.parametrize("experts_impl", ["loop", "grouped_mm"])
+def test_matmuls_saved_where_worth_their_bytes_within_the_block(experts_impl):
+    """At a threshold of 32 FLOPs per byte (fp32: contraction >= 64 = hidden): the projections out of the hidden
+    state (q, k, v, router, expert gate/up) and o_proj (4 x 16 heads) are saved, the expert down projections
+    (contraction 32, the expert width) recomputed, in the loop and in the grouped GEMM alike."""
+    found = _matmul_decisions(SelectiveACConfig(matmul_min_flops_per_byte=32), experts_impl=experts_impl)
+    for op, decision, ratio in found:
+        assert decision == ("MUST_SAVE" if ratio >= 32 else "PREFER_RECOMPUTE"), (op, decision, ratio)
+    assert [ratio for _, _, ratio in found[:5]] == [32] * 5  # q, k, v, o, router (fp32)
+    downs = [d for _, d, ratio in found if ratio == 16]
+    assert downs and set(downs) == {"PREFER_RECOMPUTE"}
+    # At the default (2048) nothing this narrow is worth its bytes: every matmul is recomputed.
+    assert {d for _, d, _ in _matmul_decisions(SelectiveACConfig(), experts_impl=experts_impl)} == {"PREFER_RECOMPUTE"}
+
+
+@pytest.mark.parametrize("experts_impl", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("save_every_other_mm", [True, False])
+def test_matmul_decisions_alternate_within_the_block(save_every_other_mm, experts_impl):
+    """``matmul_min_flops_per_byte: 0`` (torchtitan's rule): every matmul of the block (attention projections,
+    router, the experts' linears: two per expert in the loop, two grouped GEMMs for all experts with grouped_mm) in
+    order: saved, recomputed, saved, ... (or all saved)."""
+    config = SelectiveACConfig(save_every_other_mm=save_every_other_mm, matmul_min_flops_per_byte=0)
+    decisions = [decision for _, decision, _ in _matmul_decisions(config, experts_impl=experts_impl)]
     # 4 attention projections + router + 2 per expert (8 experts; empty ones still run a [0, H] matmul) or 2 in all.
     assert len(decisions) == 4 + 1 + (2 * CFG.moe.num_experts if experts_impl == "loop" else 2)
     if save_every_other_mm:

@@ -15,6 +15,7 @@ from nemo_ac.config.schema import ActivationCheckpointingConfig, ModelConfig, Se
 from nemo_ac.diagnostics.sac_explain import SAC_DEBUG_ENV, reset_decision_log
 from nemo_ac.distributed import activation_checkpointing as ac
 from nemo_ac.distributed.activation_checkpointing import PolicyRules, SelectivePolicy
+from nemo_ac.distributed.activation_checkpointing.policy import matmul_flops_per_byte
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
 from nemo_ac.models.common.routing_replay import routing_replay_context
@@ -35,17 +36,52 @@ def _decisions(policy: SelectivePolicy, ops, *, is_recompute: bool = False) -> l
 
 
 def test_every_other_matmul_and_counters_restart_per_region():
+    """``matmul_min_flops_per_byte: 0``: torchtitan's rule, every other matmul saved."""
     ops = [aten.mm.default, aten.relu.default, aten.addmm.default, aten.mm.default, aten.bmm.default]
-    first = _decisions(_policy(), ops)
+    first = _decisions(_policy(matmul_min_flops_per_byte=0), ops)
     assert first == [SAVE, RECOMPUTE, RECOMPUTE, SAVE, RECOMPUTE]
     # A new region (the next block, the next micro batch) starts its own count: same ops, same decisions.
-    assert _decisions(_policy(), ops) == first
+    assert _decisions(_policy(matmul_min_flops_per_byte=0), ops) == first
     assert _decisions(_policy(save_every_other_mm=False), ops) == [SAVE, RECOMPUTE, SAVE, SAVE, SAVE]
+
+
+def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+# (op, args, FLOPs per byte of output): 2 x contraction width / output element size.
+MATMULS = [
+    ("q projection, hidden 2048, bf16", aten.mm.default, (_meta(40, 2048), _meta(2048, 4096)), 2048),
+    (
+        "same in fp32",
+        aten.mm.default,
+        (_meta(40, 2048, dtype=torch.float32), _meta(2048, 4096, dtype=torch.float32)),
+        1024,
+    ),
+    ("biased projection, hidden 4096", aten.addmm.default, (_meta(4096), _meta(40, 4096), _meta(4096, 256)), 4096),
+    ("expert gate/up, hidden 2048", aten._grouped_mm.default, (_meta(48, 2048), _meta(4, 2048, 1024), None), 2048),
+    ("expert down, expert width 512", aten._grouped_mm.default, (_meta(48, 512), _meta(4, 512, 2048), None), 512),
+    ("batched, K 64", aten.bmm.default, (_meta(3, 40, 64), _meta(3, 64, 40)), 64),
+]
+
+
+@pytest.mark.parametrize(("what", "op", "args", "ratio"), MATMULS, ids=[m[0] for m in MATMULS])
+def test_matmuls_saved_by_flops_per_byte_held(what, op, args, ratio):
+    """The default saves a matmul when its recompute costs >= matmul_min_flops_per_byte (2048) FLOPs per byte held,
+    whatever its position in the region; save_every_other_mm: false still saves every one."""
+    assert matmul_flops_per_byte(op, args) == ratio
+    decision, reason = _policy().decide(op, args=args)
+    assert decision is (SAVE if ratio >= 2048 else RECOMPUTE), reason
+    assert _policy(matmul_min_flops_per_byte=ratio + 1).decide(op, args=args)[0] is RECOMPUTE
+    assert _policy(save_every_other_mm=False, matmul_min_flops_per_byte=ratio + 1).decide(op, args=args)[0] is SAVE
+    # The same op twice in a row: the same decision (no counter), unlike the every-other rule.
+    policy = _policy()
+    assert policy.decide(op, args=args)[0] is policy.decide(op, args=args)[0]
 
 
 def test_recompute_pass_counts_on_its_own():
     """Releases that call the policy in recompute too get the same sequence there (torch 2.13 does not call it)."""
-    policy = _policy()
+    policy = _policy(matmul_min_flops_per_byte=0)
     ops = [aten.mm.default] * 3
     forward = _decisions(policy, ops)
     assert _decisions(policy, ops, is_recompute=True) == forward == [SAVE, RECOMPUTE, SAVE]
@@ -154,8 +190,8 @@ def test_debug_env_logs_each_decision_once(monkeypatch, caplog):
         _grads(context_fn)
     lines = [r.getMessage() for r in caplog.records if r.name == "nemo_ac.sac"]
     assert len(lines) == len(set(lines)), lines
-    assert any("aten.mm.default -> MUST_SAVE (matmul #1" in line for line in lines), lines
-    assert any("aten.mm.default -> PREFER_RECOMPUTE (matmul #2" in line for line in lines), lines
+    # _fn's fp32 [6, 8] x [8, 8] matmuls: 2 x 8 / 4 bytes = 4 FLOPs per byte held, under the default 2048.
+    assert any("aten.mm.default -> PREFER_RECOMPUTE (matmul: 4 FLOP per byte held < 2048" in line for line in lines)
     assert any("aten.topk.default -> MUST_SAVE" in line and "model.layers.7" in line for line in lines), lines
     reset_decision_log()
 
