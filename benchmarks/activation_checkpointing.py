@@ -5,8 +5,10 @@
 
 One process, no process group. The block is ``nemo_ac.models.qwen3_moe.DecoderLayer`` (attention + MoE) built from
 the tiny recipe's model config, wrapped as the trainer wraps blocks (``activation_checkpointing.wrap_block`` with
-``make_selective_checkpoint_context_fn`` for selective; ``selective_all_mm`` saves every matmul instead of every other
-one). Input: ``micro_batch_size`` rows of ``seq_len`` tokens packed with variable-length documents.
+``make_selective_checkpoint_context_fn`` for selective: the default policy, which saves the matmuls worth 2048 FLOPs
+per byte held (none at this width); ``selective_every_other`` its ``matmul_min_flops_per_byte: 0``, every other
+matmul; ``selective_all_mm`` saves every matmul; ``benchmarks/sac_frontier.py`` compares them at the flagships'
+width). Input: ``micro_batch_size`` rows of ``seq_len`` tokens packed with variable-length documents.
 
 - saved bytes: activation storages held from forward to backward, each counted once, parameters excluded: what
   autograd packs (``torch.autograd.graph.saved_tensors_hooks`` around forward) plus the tensors in SAC's cache;
@@ -39,7 +41,12 @@ from nemo_ac.models.common.rope import RotaryEmbedding
 from nemo_ac.models.init import init_weights
 from nemo_ac.models.qwen3_moe import DecoderLayer
 
-MODES = ("none", "full", "selective", "selective_all_mm")
+MODES = ("none", "full", "selective", "selective_every_other", "selective_all_mm")
+SELECTIVE = {
+    "selective": SelectiveACConfig(),
+    "selective_every_other": SelectiveACConfig(matmul_min_flops_per_byte=0),
+    "selective_all_mm": SelectiveACConfig(save_every_other_mm=False),
+}
 
 
 def build(
@@ -55,9 +62,7 @@ def build(
         return block, block, caching_modes
     context_fns = []
     if mode.startswith("selective"):
-        factory = ac.make_selective_checkpoint_context_fn(
-            config=SelectiveACConfig(save_every_other_mm=mode == "selective"), region="moe_block"
-        )
+        factory = ac.make_selective_checkpoint_context_fn(config=SELECTIVE[mode], region="moe_block")
 
         def spying() -> tuple[Any, Any]:
             forward, recompute = factory()
