@@ -1,34 +1,42 @@
-"""Packed-document attention in tiles: memory linear in the sequence, work proportional to the visible pairs.
+"""Packed-document attention: memory linear in the sequence, work proportional to the visible pairs.
 
 The dense reference (``attention.packed_causal_attention``) hands SDPA a [B, 1, S, S] mask and SDPA's CPU / math
 paths build [B, h, S, S] scores: memory and FLOPs grow with S squared even when a packed row holds many short
-documents, where almost every pair is masked. This op never builds an [S, S] tensor:
+documents, where almost every pair is masked. This op never builds an [S, S] tensor. It has two kernels, chosen per
+call from the ids (``tile``: ``TILE_AUTO``, or a tile edge to force the tiled loop, or ``DENSE_SPANS``):
 
-- queries and keys are cut into tiles of ``tile`` positions; a (query tile, key tile) pair is computed only when it
-  can hold a visible pair: the tiles' document-id ranges overlap and the key tile starts at or before the query
-  tile's last position (or their positions meet: padding attends only itself). Which pairs those are is computed
-  on the device from the document ids and positions the data path already produces;
-- visible pairs are processed a bounded number at a time (``pairs_per_chunk``) with an online softmax, so memory is
-  the output, its log-sum-exp and one chunk of scores, whatever S is;
-- forward saves only the output and the log-sum-exp; backward recomputes each chunk's scores (flash-style);
-- inside a computed tile the mask is exact (same document, causal, padding attends itself), so results equal the
-  dense reference: fp64 to round-off, fp32 to ~1e-6.
+- dense document spans (``packed_attention_spans``): each document's visible pairs as at most two dense blocks
+  (keys before the queries, a causal diagonal block) handed to SDPA's fused CPU flash kernel, partial results merged
+  by log-sum-exp. Chosen where the ids allow it and the documents are long enough (``SPAN_MIN_RUN``): one long
+  document runs at SDPA ``is_causal`` speed, 512-token documents at a fraction of the dense-mask time;
+- tiles (below, the general path and the reference for the spans): queries and keys are cut into tiles of
+  ``tile`` positions (per shape: ``choose_tile``); a (query tile, key tile) pair is computed only when it can hold
+  a visible pair: the tiles' document-id ranges overlap and the key tile starts at or before the query tile's last
+  position (or their positions meet: padding attends only itself), computed on the device from the document ids and
+  positions the data path already produces. Visible pairs are processed a bounded number at a time
+  (``pairs_per_chunk``) with an online softmax, so memory is the output, its log-sum-exp and one chunk of scores.
+
+Both compute each visible tile pair once forward and once more in backward, which recomputes the scores from the
+saved log-sum-exp (flash-style; forward saves only the output and the log-sum-exp). The mask is exact (same
+document, causal, padding attends itself), so results equal the dense reference: fp64 to round-off, fp32 to ~1e-6.
 
 It is one ``torch.library`` custom op (``nemo_ac::packed_attention``, backward ``nemo_ac::packed_attention_backward``):
 ``torch.compile`` sees one opaque node whose output shapes depend on q alone (no recompile per document layout,
 the number of visible tiles never becomes a guard), and selective AC saves its outputs whole (the policy lists it
-with the attention ops), so the recompute never reruns it.
+with the attention ops), so the recompute never reruns it. Its FLOP formula counts the visible pairs
+(``packed_attention_flops``), whichever kernel runs them.
 
 Queries and keys carry their own document ids and global positions, so the same op serves the local path, the
 Ulysses inner op (full sequence, a head shard) and each ring step (local head-tail chunks against another rank's
 chunks); the returned log-sum-exp is what the ring merges partial results with. GQA needs no repeated K/V: the
-query heads of one K/V head are stacked as extra query rows.
+query heads of one K/V head are stacked as extra query rows (tiles) or read by the kernel (spans).
 """
 
 from __future__ import annotations
 
 import torch
 
+from nemo_ac.models.common import packed_attention_spans as spans
 from nemo_ac.models.common.op_flops import register_op_flops
 from nemo_ac.models.common.packed_attention_flops import (
     UNBOUNDED,
@@ -38,10 +46,10 @@ from nemo_ac.models.common.packed_attention_flops import (
 )
 from nemo_ac.models.common.packed_attention_tiles import (
     CHUNK_ELEMENTS,
-    DEFAULT_TILE,
     _acc_dtype,
     _pair_mask,
     _Tiled,
+    choose_tile,
     tiled_attention_backward,
     tiled_attention_forward,
     visible_tile_pairs,
@@ -50,16 +58,117 @@ from nemo_ac.models.common.packed_attention_tiles import (
 # Re-exported: the tiled loop and the pair count are read through this module by the ring, the benchmarks and tests.
 __all__ = [
     "CHUNK_ELEMENTS",
-    "DEFAULT_TILE",
     "UNBOUNDED",
     "_Tiled",
     "_pair_mask",
+    "choose_tile",
     "packed_attention",
     "tiled_attention_backward",
     "tiled_attention_forward",
     "visible_pairs",
     "visible_tile_pairs",
 ]
+
+# The op's ``tile`` argument: TILE_AUTO picks the kernel and the tile edge per call; DENSE_SPANS asks for the dense
+# spans (the tiled loop where the ids do not allow them); a positive edge forces the tiled loop with it.
+TILE_AUTO = 0
+DENSE_SPANS = -1
+# What ``packed_attention`` passes when the caller gives no tile.
+DEFAULT_TILE = TILE_AUTO
+# Dense spans under TILE_AUTO when the query runs (documents, cut at chunk edges) average at least this many
+# positions: below it the per-block kernel calls cost more than the tiled loop's masked work
+# (benchmarks/packed_attention.py --crossover).
+SPAN_MIN_RUN = 64
+
+# ------------------------------------------------------------------------------------------------------------
+# the kernel choice: dense spans or tiles
+
+
+def span_plan(
+    q: torch.Tensor,
+    q_doc: torch.Tensor,
+    k_doc: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    tile: int,
+    min_k_pos: int,
+    max_back: int,
+) -> spans.SpanPlan | None:
+    """The dense spans of this call, or None for the tiled loop: a positive ``tile`` forces tiles; the fused kernel
+    is torch's CPU one; under ``TILE_AUTO`` the query runs must average ``SPAN_MIN_RUN`` positions."""
+    if tile > 0 or q.device.type != "cpu" or q.shape[1] == 0 or k_doc.shape[1] == 0:
+        return None
+    plan = spans.plan_spans(q_doc, k_doc, q_pos, k_pos, min_k_pos=min_k_pos, max_back=max_back)
+    if plan is None or (tile == TILE_AUTO and plan.mean_query_run(q_doc.numel()) < SPAN_MIN_RUN):
+        return None
+    return plan
+
+
+def packed_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_doc: torch.Tensor,
+    k_doc: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    scale: float,
+    tile: int,
+    min_k_pos: int,
+    max_back: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's forward: the dense spans where ``span_plan`` allows them, else the tiled loop."""
+    plan = span_plan(q, q_doc, k_doc, q_pos, k_pos, tile=tile, min_k_pos=min_k_pos, max_back=max_back)
+    if plan is not None:
+        return spans.spans_forward(q, k, v, plan, scale=scale)
+    return tiled_attention_forward(
+        q, k, v, q_doc, k_doc, q_pos, k_pos, scale=scale, tile=tile, min_k_pos=min_k_pos, max_back=max_back
+    )
+
+
+def packed_attention_backward(
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_doc: torch.Tensor,
+    k_doc: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    tile: int,
+    min_k_pos: int,
+    max_back: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's backward, same choice as the forward (both kernels read the same saved output and log-sum-exp)."""
+    plan = span_plan(q, q_doc, k_doc, q_pos, k_pos, tile=tile, min_k_pos=min_k_pos, max_back=max_back)
+    if plan is not None:
+        grads = spans.spans_backward(grad_out, grad_lse, q, k, v, out, lse, plan, scale=scale)
+        if grads is not None:
+            return tuple(g.contiguous() for g in grads)
+    return tiled_attention_backward(
+        grad_out,
+        q,
+        k,
+        v,
+        q_doc,
+        k_doc,
+        q_pos,
+        k_pos,
+        out,
+        lse,
+        scale=scale,
+        tile=tile,
+        min_k_pos=min_k_pos,
+        max_back=max_back,
+        grad_lse=grad_lse,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -81,7 +190,7 @@ def packed_attention_op(
     max_back: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, h, d], lse [B, h, Sq])`` in fp32 (or wider); see the module docstring."""
-    return tiled_attention_forward(
+    return packed_attention_forward(
         q, k, v, q_doc, k_doc, q_pos, k_pos, scale=scale, tile=tile, min_k_pos=min_k_pos, max_back=max_back
     )
 
@@ -111,8 +220,9 @@ def packed_attention_backward_op(
     min_k_pos: int,
     max_back: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tiled_attention_backward(
+    return packed_attention_backward(
         grad_out,
+        grad_lse,
         q,
         k,
         v,
@@ -126,7 +236,6 @@ def packed_attention_backward_op(
         tile=tile,
         min_k_pos=min_k_pos,
         max_back=max_back,
-        grad_lse=grad_lse,
     )
 
 

@@ -1,5 +1,6 @@
-"""The tiled packed-document attention op (``backend.attention: tiled``): exact against the dense SDPA reference,
-no [S, S] tensor, work bounded by the visible pairs, one op to torch.compile and to selective AC."""
+"""The packed-document attention op (``backend.attention: tiled``), both of its kernels (dense document spans on
+SDPA's fused CPU kernel, the tiled loop): exact against the dense SDPA reference, no [S, S] tensor, work bounded by
+the visible pairs, one op to torch.compile and to selective AC."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from nemo_ac.models.common.attention import (
     tiled_packed_attention,
 )
 from nemo_ac.models.common.flex_attention import flex_attention_available, flex_packed_attention
-from nemo_ac.models.common.packed_attention import packed_attention, visible_tile_pairs
+from nemo_ac.models.common.packed_attention import DENSE_SPANS, TILE_AUTO, packed_attention, visible_tile_pairs
+from nemo_ac.models.common.packed_attention_spans import plan_spans
 
 
 def _row(lengths: list[int], pad: int = 0) -> torch.Tensor:
@@ -44,11 +46,12 @@ def _grads(out: torch.Tensor, inputs, seed: int = 1):
     return torch.autograd.grad(out, inputs, grad)
 
 
-@pytest.mark.parametrize("tile", [16, 64, 7])
+@pytest.mark.parametrize("tile", [16, 64, 7, DENSE_SPANS], ids=["tile16", "tile64", "tile7", "spans"])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_equals_the_dense_reference_outputs_and_gradients(case, tile, dtype, tol, monkeypatch):
-    """GQA (4 query heads over 2 K/V heads), padding, tiles that do not divide S."""
+    """GQA (4 query heads over 2 K/V heads), padding, tiles that do not divide S; the dense spans (one block per
+    document, padding as equal-position pairs)."""
     monkeypatch.setattr(tiled, "DEFAULT_TILE", tile)
     docs = CASES[case]
     q, k, v = _qkv(docs.shape[0], docs.shape[1], dtype=dtype)
@@ -60,15 +63,17 @@ def test_equals_the_dense_reference_outputs_and_gradients(case, tile, dtype, tol
         torch.testing.assert_close(g, w, rtol=tol, atol=tol)
 
 
-def test_rows_starting_mid_document_and_the_log_sum_exp_gradient():
+@pytest.mark.parametrize("tile", [16, DENSE_SPANS], ids=["tile16", "spans"])
+def test_rows_starting_mid_document_and_the_log_sum_exp_gradient(tile):
     """Queries from the middle of a document against keys that start earlier (a ring step's shape), and a loss on
-    the log-sum-exp as the ring merge has one: equal to the dense softmax over the same visible pairs."""
+    the log-sum-exp as the ring merge has one: equal to the dense softmax over the same visible pairs. (The spans'
+    backward hands this case, lse gradients with dO = 0, to the tiled loop; the next test has both.)"""
     docs = _row([20, 40, 20]).unsqueeze(0)
     q, k, v = _qkv(1, 80, dtype=torch.float64)
     qs, ks = slice(30, 70), slice(10, 50)  # queries 30..69 see keys 10..49 of their documents
     pos = torch.arange(80)
     out, lse = packed_attention(
-        q[:, qs], k[:, ks], v[:, ks], q_doc=docs[:, qs], k_doc=docs[:, ks], q_pos=pos[qs], k_pos=pos[ks], tile=16
+        q[:, qs], k[:, ks], v[:, ks], q_doc=docs[:, qs], k_doc=docs[:, ks], q_pos=pos[qs], k_pos=pos[ks], tile=tile
     )
     kk, vv = (t[:, ks].repeat_interleave(2, 2).transpose(1, 2) for t in (k, v))
     scores = q[:, qs].transpose(1, 2) @ kk.transpose(-1, -2) * 8**-0.5
@@ -89,6 +94,92 @@ def test_rows_starting_mid_document_and_the_log_sum_exp_gradient():
     assert (got[2] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_spans_equal_tiles_with_output_and_log_sum_exp_gradients(dtype):
+    """A ring step's shape (two query runs, a key block before them and a causal one, a document the keys do not
+    hold) with a loss on both outputs: the spans' backward folds grad_lse into the kernel's D and matches the tiled
+    loop."""
+    docs = _row([20, 40, 20]).unsqueeze(0)
+    q, k, v = _qkv(1, 80, dtype=dtype)
+    qs, ks = slice(30, 70), slice(10, 50)
+    pos = torch.arange(80)
+    ids = {"q_doc": docs[:, qs], "k_doc": docs[:, ks], "q_pos": pos[qs], "k_pos": pos[ks]}
+    plan = plan_spans(*ids.values(), min_k_pos=0, max_back=tiled.UNBOUNDED)
+    assert [(b.causal, b.k1 - b.k0) for b in plan.blocks] == [(False, 10), (True, 20)]
+    results = []
+    for tile in (DENSE_SPANS, 16):
+        out, lse = packed_attention(q[:, qs], k[:, ks], v[:, ks], tile=tile, **ids)
+        finite = torch.isfinite(lse)
+        w_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=out.dtype)
+        w_lse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(3), dtype=lse.dtype)
+        loss = (out * w_out).sum() + (lse.masked_fill(~finite, 0) * w_lse).sum()
+        results.append((out, lse.masked_fill(~finite, 0), *torch.autograd.grad(loss, (q, k, v))))
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_the_kernel_choice_follows_the_ids(monkeypatch):
+    """TILE_AUTO: dense spans for long documents, the tiled loop for short ones and where blocks cannot say the
+    mask (a window that cuts a document, positions out of order); a positive tile forces the tiled loop."""
+    q = torch.zeros(1, 256, 2, 8)
+    pos = torch.arange(256)
+
+    def plan(docs, tile=TILE_AUTO, *, q_pos=pos, max_back=256):
+        return tiled.span_plan(q, docs, docs, q_pos, q_pos, tile=tile, min_k_pos=0, max_back=max_back)
+
+    long_docs = _row([100, 156]).unsqueeze(0)
+    assert [(b.q0, b.q1, b.causal) for b in plan(long_docs).blocks] == [(0, 100, True), (100, 256, True)]
+    assert plan(long_docs, tile=32) is None
+    assert plan(long_docs, max_back=150) is None  # the window cuts the 156-token document
+    assert plan(long_docs, q_pos=pos.flip(0)) is None
+    short_docs = _row([8] * 32).unsqueeze(0)
+    assert plan(short_docs) is None and len(plan(short_docs, tile=DENSE_SPANS).blocks) == 32
+    padded = _row([100, 100], pad=56).unsqueeze(0)
+    assert plan(padded).self_q.tolist() == list(range(200, 256))  # padding attends itself
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_the_ring_on_dense_spans_equals_the_reference(cp_size, monkeypatch):
+    """Every ring step through the spans (head-tail chunks, keys before the queries, a block with nothing
+    visible, padding), forward and backward through the log-sum-exp merge."""
+    from tests.unit.distributed.context_parallel.test_cp_ring import _docs, _emulated_ring, _qkv, _reference
+
+    monkeypatch.setattr(tiled, "SPAN_MIN_RUN", 1)
+    s = 8 * cp_size + 8 * cp_size // 2
+    docs = _docs(s)
+    q, k, v = _qkv(2, s, seed=cp_size)
+    ring = _emulated_ring(q, k, v, docs, cp_size=cp_size, kernel="tiled")
+    ref = _reference(q, k, v, docs)
+    torch.testing.assert_close(ring, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(ref)
+    for got, want in zip(
+        torch.autograd.grad(ring, (q, k, v), grad, retain_graph=True), torch.autograd.grad(ref, (q, k, v), grad)
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("docs", [[2048], [512] * 4], ids=["one_document", "mean_512"])
+def test_bf16_spans_match_the_fp32_reference(docs):
+    """bf16 through the fused kernel: outputs and gradients within bf16 round-off of the fp32 dense reference
+    (relative to the norm, at most twice the error of SDPA's own bf16 with the dense mask)."""
+    row = _row(docs).unsqueeze(0)
+    q, k, v = _qkv(1, row.shape[1], dtype=torch.float32, hd=64)
+    attn = build_attention_inputs(row)
+    ref = packed_causal_attention(q, k, v, attn)
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    want = (ref, *torch.autograd.grad(ref, (q, k, v), grad))
+    qb, kb, vb = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+
+    def errors(op) -> list[float]:
+        out = op(qb, kb, vb, attn)
+        got = (out, *torch.autograd.grad(out, (qb, kb, vb), grad.bfloat16()))
+        return [float((g.float() - w).norm() / w.norm()) for g, w in zip(got, want)]
+
+    for err, sdpa_err in zip(errors(tiled_packed_attention), errors(packed_causal_attention)):
+        assert err <= min(2 * sdpa_err, 1e-2), (err, sdpa_err)
+
+
 class _LargestTensor(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -102,15 +193,20 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-def test_no_tensor_grows_with_s_squared():
+@pytest.mark.parametrize("lengths", [[512] * 4, [2048]], ids=["mean_512", "one_document"])
+def test_no_tensor_grows_with_s_squared(lengths):
     s = 2048
-    docs = _row([512] * 4).unsqueeze(0)
+    docs = _row(lengths).unsqueeze(0)
     q, k, v = _qkv(1, s, dtype=torch.float32, nh=2, nkv=1, hd=16)
     ids = (docs, docs, torch.arange(s), torch.arange(s))
     with _LargestTensor() as mode:
         out, lse = tiled.tiled_attention_forward(q, k, v, *ids, scale=0.25)
         tiled.tiled_attention_backward(torch.ones_like(out), q, k, v, *ids, out, lse, scale=0.25)
     assert mode.largest < s * s // 4, mode.largest  # forward and backward
+    with _LargestTensor() as spans:  # the op's own choice: dense spans (the fused kernel tiles internally)
+        out, _ = packed_attention(q, k, v, q_doc=docs, k_doc=docs, q_pos=ids[2], k_pos=ids[3], max_back=s)
+        out.sum().backward()
+    assert 0 < spans.largest < s * s // 4, spans.largest
     with _LargestTensor() as dense:
         packed_causal_attention(q, k, v, build_attention_inputs(docs))
     assert dense.largest >= s * s  # the reference builds [B, 1, S, S] (and SDPA's CPU path the scores)
@@ -119,7 +215,7 @@ def test_no_tensor_grows_with_s_squared():
 @pytest.mark.parametrize(("lengths", "bound"), [([512] * 8, 1.3), ([4096], 1.05)])
 def test_computed_tiles_follow_the_visible_pairs(lengths, bound):
     docs = _row(lengths).unsqueeze(0)
-    s, tile = docs.shape[1], tiled.DEFAULT_TILE
+    s, tile = docs.shape[1], tiled.choose_tile(max(lengths))
     pos = torch.arange(s).unsqueeze(0)
     pairs = visible_tile_pairs(docs, docs, pos, pos, tile=tile).shape[0]
     visible = sum(n * (n + 1) // 2 for n in lengths)
@@ -149,13 +245,13 @@ def test_one_compiled_graph_across_document_layouts(fresh_dynamo):
 
 def test_selective_ac_saves_the_op_whole_and_the_recompute_never_reruns_it(monkeypatch, private_sac_ignored_ops):
     calls = []
-    forward = tiled.tiled_attention_forward
+    forward = tiled.packed_attention_forward
 
     def counting(*args, **kwargs):
         calls.append(1)
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(tiled, "tiled_attention_forward", counting)
+    monkeypatch.setattr(tiled, "packed_attention_forward", counting)
     docs = _row([30, 50]).unsqueeze(0)
     q, k, v = _qkv(1, 80, dtype=torch.float32)
     attn = build_attention_inputs(docs)

@@ -40,6 +40,11 @@ ALLOWED: dict[str, str] = {
     "CheckpointImpl: the activation-checkpoint wrapper FSDP2 and torchtitan use; torch has no other module path",
     "torch._foreach_mul_": "a multi-tensor kernel torch.optim and torch.nn.utils.clip_grad_norm_ call themselves "
     "(torch._foreach_* are the documented foreach implementations)",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": "the fused CPU kernel SDPA dispatches to, "
+    "called per document span for its log-sum-exp (the ring merges by it; the public SDPA returns none); a "
+    "native_functions.yaml op that inductor registers a fallback for (checked here on torch 2.13)",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward": "the same kernel's backward, which SDPA's "
+    "autograd calls; the spans call it with the merged output and log-sum-exp (same reason)",
 }
 
 

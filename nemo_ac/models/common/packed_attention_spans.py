@@ -1,0 +1,293 @@
+"""Packed-document attention as dense document spans handed to SDPA's fused CPU kernel.
+
+Where every document of a packed row is a run of consecutive positions (what the data path produces: the local
+row, the Ulysses inner op's full row, each ring step's head and tail chunks), the visible pairs of one (query run,
+key run) of the same document are at most two dense blocks: the keys before the first query (every query sees all
+of them) and the keys from the first query on (a causal diagonal block, top-left aligned). Each block is one call
+of torch's fused flash kernel for CPU, ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, which
+computes every pair once, in tiles, with an online softmax and no [S, S] tensor, GQA included (query head i uses
+K/V head i // g, as ``repeat_interleave`` does), and returns the log-sum-exp; its backward op recomputes each tile
+once from that log-sum-exp (flash-style). Partial results of the blocks of one query run are merged with their
+log-sum-exps (as the ring merges steps); equal-position pairs outside every block (padding attends itself) are one
+key per query, merged the same way.
+
+The plain-torch tiled loop (``packed_attention``'s ``tiled_attention_forward``) gathers the q / k / v tiles of
+every visible tile pair (profiled, one document at 4k: the gathers and their copies were 32% of self time against
+40% for the matmuls) and runs small matmuls of 32 x 32 x 64; this path hands whole documents to one kernel.
+
+The backward passes each block the merged (global) output and log-sum-exp, so the kernel's P = exp(S - lse) and
+D = rowsum(dO * O) are those of the whole softmax: the blocks' gradients sum to the exact gradient. The ring merge
+also differentiates through the log-sum-exp (``grad_lse``): d lse / d s = P adds ``P * grad_lse`` to dS =
+P * (dP - D), i.e. D becomes D - grad_lse. The kernel computes D from the ``out`` it is given, so each query row's
+``out`` is passed with its element at the largest |dO| lowered by grad_lse / dO there (exact in real arithmetic,
+rounding like D itself); a row with grad_lse but dO = 0 has no such element and the call returns None (the caller
+runs the tiled backward instead).
+
+``plan_spans`` returns None wherever the blocks cannot say the exact mask (positions not increasing, a window
+``max_back`` that cuts a document): the caller then runs the tiled loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """Queries ``[q0, q1)`` of row ``row`` against keys ``[k0, k1)``: all pairs, or ``causal`` top-left (query
+    ``q0 + i`` sees key ``k0 + j`` iff ``j <= i``)."""
+
+    row: int
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanPlan:
+    """The dense blocks of one call and its equal-position pairs outside them (``self_q`` / ``self_k``: flat
+    ``row * S + index`` of the query and its key)."""
+
+    blocks: tuple[Block, ...]
+    self_q: torch.Tensor
+    self_k: torch.Tensor
+    query_runs: int
+
+    def mean_query_run(self, queries: int) -> float:
+        return queries / max(self.query_runs, 1)
+
+
+def _runs(doc: list[int], pos: list[int]) -> list[tuple[int, int, int, int]]:
+    """``(doc, first index, end index, first position)`` of each maximal run of one document id (>= 0) over
+    consecutive positions."""
+    runs: list[tuple[int, int, int, int]] = []
+    start = 0
+    for i in range(1, len(doc) + 1):
+        if i == len(doc) or doc[i] != doc[i - 1] or pos[i] != pos[i - 1] + 1:
+            if doc[start] >= 0:
+                runs.append((doc[start], start, i, pos[start]))
+            start = i
+    return runs
+
+
+def _row_blocks(
+    row: int,
+    q_runs: list[tuple[int, int, int, int]],
+    k_runs: list[tuple[int, int, int, int]],
+    *,
+    min_k_pos: int,
+    max_back: int,
+) -> list[Block] | None:
+    by_doc: dict[int, list[tuple[int, int, int, int]]] = {}
+    for run in k_runs:
+        by_doc.setdefault(run[0], []).append(run)
+    blocks = []
+    for doc, qi0, qi1, a in q_runs:
+        q_end = a + (qi1 - qi0)  # one past the last query position
+        for _, ki0, ki1, c in by_doc.get(doc, ()):
+            k_end = c + (ki1 - ki0)
+            lo = max(c, min_k_pos)
+            before_end = min(k_end, a)  # keys before every query: all pairs visible
+            if lo < before_end:
+                if (q_end - 1) - lo >= max_back:
+                    return None  # the window cuts the block: not a dense block
+                blocks.append(Block(row, qi0, qi1, ki0 + lo - c, ki0 + before_end - c, causal=False))
+            d0, d1 = max(lo, a), min(k_end, q_end)  # keys from the first query on: causal, top-left
+            if d0 < d1:
+                if (q_end - 1) - d0 >= max_back:
+                    return None
+                blocks.append(Block(row, qi0 + d0 - a, qi1, ki0 + d0 - c, ki0 + d1 - c, causal=True))
+    return blocks
+
+
+def plan_spans(
+    q_doc: torch.Tensor,
+    k_doc: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    min_k_pos: int,
+    max_back: int,
+) -> SpanPlan | None:
+    """The dense blocks of ``packed_attention``'s exact mask (same document, causal, ``min_k_pos`` and ``max_back``;
+    or equal positions), or None where blocks cannot express it. One host copy of the ids."""
+    b, sq = q_doc.shape
+    sk = k_doc.shape[1]
+    if max_back < 1:
+        return None
+    qd, kd = q_doc.to(torch.int64).cpu(), k_doc.to(torch.int64).cpu()
+    qp = q_pos.to(torch.int64).cpu().expand(b, sq)
+    kp = k_pos.to(torch.int64).cpu().expand(b, sk)
+    if sq > 1 and not bool((qp[:, 1:] > qp[:, :-1]).all()):
+        return None
+    if sk > 1 and not bool((kp[:, 1:] > kp[:, :-1]).all()):
+        return None
+    blocks: list[Block] = []
+    query_runs = 0
+    for row in range(b):
+        q_runs = _runs(qd[row].tolist(), qp[row].tolist())
+        k_runs = _runs(kd[row].tolist(), kp[row].tolist())
+        row_blocks = _row_blocks(row, q_runs, k_runs, min_k_pos=min_k_pos, max_back=max_back)
+        if row_blocks is None:
+            return None
+        blocks += row_blocks
+        query_runs += len(q_runs)
+    # Equal positions (at most one key per query: positions increase) that no block holds: padding attends
+    # itself, and so does any query whose own position the window or its document excludes.
+    j = torch.searchsorted(kp.contiguous(), qp.contiguous()).clamp(max=sk - 1)
+    k_at = kp.gather(1, j)
+    same_pos = k_at == qp
+    in_block = (qd == kd.gather(1, j)) & (qd >= 0) & (qp >= min_k_pos)
+    rows, cols = (same_pos & ~in_block).nonzero(as_tuple=True)
+    self_q = (rows * sq + cols).to(q_doc.device)
+    self_k = (rows * sk + j[rows, cols]).to(q_doc.device)
+    return SpanPlan(tuple(blocks), self_q, self_k, query_runs)
+
+
+def _heads_first(x: torch.Tensor, row: int, lo: int, hi: int) -> torch.Tensor:
+    """[B, S, h, d] -> the [1, h, hi - lo, d] view of row ``row`` (the kernel takes strided inputs)."""
+    return x[row : row + 1, lo:hi].transpose(1, 2)
+
+
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, o_new: torch.Tensor, lse_new: torch.Tensor) -> None:
+    """Fold a partial ``(o_new [.., S, h, d], lse_new [.., h, S])`` into ``(out, lse)`` in place (log-sum-exp)."""
+    total = torch.logaddexp(lse, lse_new)
+    finite = torch.isfinite(total)
+    safe = torch.where(finite, total, torch.zeros_like(total))
+    w_old = torch.where(finite, torch.exp(lse - safe), torch.zeros_like(total)).transpose(-1, -2).unsqueeze(-1)
+    w_new = torch.where(finite, torch.exp(lse_new - safe), torch.zeros_like(total)).transpose(-1, -2).unsqueeze(-1)
+    out.copy_(out * w_old + o_new * w_new)
+    lse.copy_(total)
+
+
+def _self_terms(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SpanPlan, *, scale: float, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per equal-position pair: the query rows [n, h, d], their key's K and V repeated to the query heads."""
+    h, hkv = q.shape[2], k.shape[2]
+    qs = q.flatten(0, 1)[plan.self_q].to(acc)
+    ks = k.flatten(0, 1)[plan.self_k].to(acc).repeat_interleave(h // hkv, dim=1)
+    vs = v.flatten(0, 1)[plan.self_k].to(acc).repeat_interleave(h // hkv, dim=1)
+    return qs, ks, vs
+
+
+def spans_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SpanPlan, *, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Sq, h, d], lse [B, h, Sq])`` in fp32 (fp64 for fp64 inputs); rows without a visible key: 0, -inf."""
+    b, sq, h, d = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros((b, sq, h, d), dtype=acc, device=q.device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
+    written = [0] * b  # per row, the end of the query indices written so far (blocks come in query order)
+    for blk in plan.blocks:
+        o, block_lse = _FLASH(
+            _heads_first(q, blk.row, blk.q0, blk.q1),
+            _heads_first(k, blk.row, blk.k0, blk.k1),
+            _heads_first(v, blk.row, blk.k0, blk.k1),
+            0.0,
+            blk.causal,
+            scale=scale,
+        )
+        o = o.transpose(1, 2).to(acc)  # [1, L, h, d]
+        dst_o, dst_l = out[blk.row : blk.row + 1, blk.q0 : blk.q1], lse[blk.row : blk.row + 1, :, blk.q0 : blk.q1]
+        if blk.q0 < written[blk.row]:  # a second block of the same query run
+            _merge_into(dst_o, dst_l, o, block_lse.to(acc))
+        else:
+            dst_o.copy_(o)
+            dst_l.copy_(block_lse)
+        written[blk.row] = max(written[blk.row], blk.q1)
+    if plan.self_q.numel():
+        qs, ks, vs = _self_terms(q, k, v, plan, scale=scale, acc=acc)
+        s = (qs * ks).sum(-1) * scale  # [n, h]
+        flat_out, flat_lse = out.flatten(0, 1), lse.transpose(1, 2).flatten(0, 1)  # [B*Sq, h, d], [B*Sq, h]
+        o_cur, l_cur = flat_out[plan.self_q], flat_lse[plan.self_q]
+        _merge_into(o_cur, l_cur.transpose(0, 1), vs, s.transpose(0, 1))
+        flat_out[plan.self_q] = o_cur
+        lse.copy_(flat_lse.index_put((plan.self_q,), l_cur).view(b, sq, h).transpose(1, 2))
+    return out, lse
+
+
+def _lowered_out(out: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> torch.Tensor | None:
+    """``out`` with rowsum(dO * out) lowered by grad_lse (see the module docstring), or None if a row with
+    grad_lse has dO = 0."""
+    g = grad_lse.transpose(1, 2).unsqueeze(-1)  # [B, S, h, 1]
+    idx = grad_out.abs().argmax(-1, keepdim=True)
+    pivot = grad_out.gather(-1, idx)
+    needed = g != 0
+    if bool((needed & (pivot == 0)).any()):
+        return None
+    shift = torch.where(needed, g / torch.where(pivot == 0, torch.ones_like(pivot), pivot), torch.zeros_like(g))
+    return out.scatter(-1, idx, out.gather(-1, idx) - shift)
+
+
+def spans_backward(
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    plan: SpanPlan,
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """dq, dk, dv of ``spans_forward`` (None: see ``_lowered_out``)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    grad_out = grad_out.to(acc)
+    kernel_out = out.to(acc)
+    if grad_lse is not None and bool((grad_lse != 0).any()):
+        lowered = _lowered_out(kernel_out, grad_out, grad_lse.to(acc))
+        if lowered is None:
+            return None
+        kernel_out = lowered
+    do_k, out_k = grad_out.to(q.dtype), kernel_out.to(q.dtype)  # the kernel takes one dtype
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for blk in plan.blocks:
+        r, q0, q1, k0, k1 = blk.row, blk.q0, blk.q1, blk.k0, blk.k1
+        gq, gk, gv = _FLASH_BACKWARD(
+            _heads_first(do_k, r, q0, q1),
+            _heads_first(q, r, q0, q1),
+            _heads_first(k, r, k0, k1),
+            _heads_first(v, r, k0, k1),
+            _heads_first(out_k, r, q0, q1),
+            lse[r : r + 1, :, q0:q1].to(acc).contiguous(),
+            0.0,
+            blk.causal,
+            scale=scale,
+        )
+        dq[r : r + 1, q0:q1] += gq.transpose(1, 2)
+        dk[r : r + 1, k0:k1] += gk.transpose(1, 2)
+        dv[r : r + 1, k0:k1] += gv.transpose(1, 2)
+    if plan.self_q.numel():
+        _self_backward(grad_out, grad_lse, q, k, v, out.to(acc), lse.to(acc), plan, scale, dq, dk, dv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _self_backward(grad_out, grad_lse, q, k, v, out, lse, plan, scale, dq, dk, dv) -> None:
+    """The equal-position pairs' share: P = exp(s - lse), dV += P dO, dS = P (dO . v - D + grad_lse)."""
+    h, hkv = q.shape[2], k.shape[2]
+    g = h // hkv
+    acc = dq.dtype
+    qs, ks, vs = _self_terms(q, k, v, plan, scale=scale, acc=acc)
+    lse_rows = lse.transpose(1, 2).flatten(0, 1)[plan.self_q]  # [n, h]
+    do = grad_out.flatten(0, 1)[plan.self_q]  # [n, h, d]
+    p = torch.exp((qs * ks).sum(-1) * scale - lse_rows)
+    delta = (do * out.flatten(0, 1)[plan.self_q]).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(acc).transpose(1, 2).flatten(0, 1)[plan.self_q]
+    ds = p * ((do * vs).sum(-1) - delta) * scale  # [n, h]
+    n = plan.self_q.shape[0]
+    dq.view(-1, h, q.shape[3]).index_add_(0, plan.self_q, ds.unsqueeze(-1) * ks)
+    dk.view(-1, hkv, k.shape[3]).index_add_(0, plan.self_k, (ds.unsqueeze(-1) * qs).view(n, hkv, g, -1).sum(2))
+    dv.view(-1, hkv, v.shape[3]).index_add_(0, plan.self_k, (p.unsqueeze(-1) * do).view(n, hkv, g, -1).sum(2))
