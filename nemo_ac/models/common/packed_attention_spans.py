@@ -64,17 +64,16 @@ class SpanPlan:
         return queries / max(self.query_runs, 1)
 
 
-def _runs(doc: list[int], pos: list[int]) -> list[tuple[int, int, int, int]]:
+def _runs(doc: torch.Tensor, pos: torch.Tensor) -> list[tuple[int, int, int, int]]:
     """``(doc, first index, end index, first position)`` of each maximal run of one document id (>= 0) over
-    consecutive positions."""
-    runs: list[tuple[int, int, int, int]] = []
-    start = 0
-    for i in range(1, len(doc) + 1):
-        if i == len(doc) or doc[i] != doc[i - 1] or pos[i] != pos[i - 1] + 1:
-            if doc[start] >= 0:
-                runs.append((doc[start], start, i, pos[start]))
-            start = i
-    return runs
+    consecutive positions, from a row's host ids (a few small host copies, no Python loop over positions)."""
+    cut = torch.ones(doc.shape[0] + 1, dtype=torch.bool)
+    cut[1:-1] = (doc[1:] != doc[:-1]) | (pos[1:] != pos[:-1] + 1)
+    edges = cut.nonzero().squeeze(-1)
+    starts, ends = edges[:-1], edges[1:]
+    keep = doc[starts] >= 0
+    starts, ends = starts[keep], ends[keep]
+    return list(zip(doc[starts].tolist(), starts.tolist(), ends.tolist(), pos[starts].tolist(), strict=True))
 
 
 def _row_blocks(
@@ -132,8 +131,8 @@ def plan_spans(
     blocks: list[Block] = []
     query_runs = 0
     for row in range(b):
-        q_runs = _runs(qd[row].tolist(), qp[row].tolist())
-        k_runs = _runs(kd[row].tolist(), kp[row].tolist())
+        q_runs = _runs(qd[row], qp[row])
+        k_runs = _runs(kd[row], kp[row])
         row_blocks = _row_blocks(row, q_runs, k_runs, min_k_pos=min_k_pos, max_back=max_back)
         if row_blocks is None:
             return None
