@@ -1,7 +1,16 @@
-"""One attention core over packed rows, forward + backward, per CP rank: the dense SDPA reference vs the tiled op.
+"""Packed-document attention, forward + backward: nemo_ac's op against SDPA on the same inputs, in one process.
 
-For per-rank lengths 2k .. 32k, rows of documents with mean length 512 and rows of one document, in the three
-places attention runs (what rank 0 computes; collectives are not timed, this is one process):
+Default table (``--table sdpa``): per row length S (2k .. 32k), layout and dtype (fp32, bf16), the op as the recipes
+call it (``backend.attention: tiled``, ``tiled_packed_attention``: the kernel it picks is named, ``spans`` or
+``tiles``) against SDPA's fused CPU kernel: ``is_causal`` for rows of one document, the dense [B, 1, S, S] document
+mask (``packed_causal_attention``, the reference) for rows of documents with mean length 512. The two run on the
+same q / k / v, interleaved (tiled, SDPA, SDPA, tiled, ...) after one warm-up each, so a busy shared CPU slows both
+alike; reported: the medians, each one's min-max spread, the median of the per-repeat ratios with its min-max, and
+peak memory of one step (tracked allocations, ``_measure.peak_bytes``). The dense mask is not run where its
+[S, S] state (~5 bytes per element: the bool mask and SDPA's float copy of it) exceeds ``--dense-gib``.
+
+``--table modes``: the per-CP-rank table (local, ulysses cp2, ring cp2) of memory growth and counted FLOPs against
+the visible pairs, the dense SDPA reference against the op (``packed_attention_modes.{md,json}``):
 
 - local: the whole row on one rank;
 - ulysses cp2: after the sequence->heads all-to-all a rank attends over the full row (2x the per-rank length) with
@@ -9,12 +18,15 @@ places attention runs (what rank 0 computes; collectives are not timed, this is 
 - ring cp2: a rank's two head-tail chunks attend over its own and then the other rank's K/V block (two steps,
   merged with the log-sum-exp).
 
-Per cell: peak memory of the step (tracked allocations on CPU, see ``_measure.peak_bytes``), FLOPs counted with
-FlopCounterMode over what the kernels run, the visible-pair FLOPs (14 * head_dim per visible (query, key) pair and
-head: 4 forward, 10 backward with the recompute), their ratio, and the median time. The dense path is skipped where
-its [S, S] state would not fit (``--dense-gib``); the tiled path where its counted work exceeds ``--budget-gflop``
-(one-document rows are quadratic in S by nature: every pair is visible), with the FLOPs then taken from the exact
-tile count. Run: ``python benchmarks/packed_attention.py`` (``--quick`` for 2k-8k).
+Per cell: peak memory of the step, FLOPs counted with FlopCounterMode (the op through its registered formula: the
+visible pairs it must compute; the dense path through SDPA's), the visible-pair FLOPs (14 * head_dim per visible
+(query, key) pair and head: 4 forward, 10 backward with the recompute), their ratio, and the median time. The dense
+path is skipped where its [S, S] state would not fit (``--dense-gib``).
+
+``--table crossover``: the op's two kernels (dense spans, the tiled loop) on rows of documents of mean length
+16 .. 256: where ``SPAN_MIN_RUN`` sits (``packed_attention_crossover.{md,json}``).
+
+Run: ``python benchmarks/packed_attention.py`` (``--quick`` for 2k-8k).
 """
 
 from __future__ import annotations
@@ -28,11 +40,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import markdown_table, write_json
-from _measure import flop_mapping, peak_bytes, release_free_memory, time_steps
+from _measure import _sdpa_formulas, peak_bytes, release_free_memory, time_steps
 
 from nemo_ac.distributed.context_parallel.ring import ring_block_update, ring_kernel_step
 from nemo_ac.distributed.context_parallel.sharding import (
@@ -40,14 +53,19 @@ from nemo_ac.distributed.context_parallel.sharding import (
     ring_attention_inputs,
     shard_positions,
 )
-from nemo_ac.models.common import packed_attention as tiled
+from nemo_ac.models.common import packed_attention as packed_attention_module
 from nemo_ac.models.common.attention import (
     build_attention_inputs,
     packed_causal_attention,
     tiled_packed_attention,
 )
+from nemo_ac.models.common.packed_attention import packed_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cpu_sdpa_formulas() -> dict:
+    return _sdpa_formulas(visible_fraction=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,28 +190,13 @@ class Cell:
             for p in blocks
         ]
 
-    def tiled_tile_gflop(self) -> float:
-        """The tiled kernels' FLOPs from the exact count of computed tile pairs (what FlopCounterMode counts)."""
-        total = 0
-        tile = tiled.DEFAULT_TILE
-        for q, k, _, q_doc, k_doc, q_pos, k_pos, bounds in self._tiled_calls():
-            t = tiled._Tiled(q, k, k, q_doc, k_doc, q_pos, k_pos, tile, **bounds)
-            total += t.pairs().shape[0] * tile * tile * q.shape[2] * q.shape[3] * 14
-        return total / 1e9
-
     def counted_gflop(self, path: str) -> float:
-        counter = FlopCounterMode(display=False, custom_mapping=flop_mapping(visible_fraction=None))
+        """FlopCounterMode over one step: the op through its registered formula (the visible pairs), SDPA's dense
+        path through torch's formulas for what it executes."""
+        # SDPA's CPU kernel has no formula in torch 2.13 (_measure's: what it executes); the op counts by its own.
+        counter = FlopCounterMode(display=False, custom_mapping=cpu_sdpa_formulas() if path == "dense" else None)
         with counter:
-            if path == "dense":
-                self.step("dense")
-            else:  # the custom op is opaque to FlopCounterMode: count its plain-torch implementation
-                for q, k, v, q_doc, k_doc, q_pos, k_pos, bounds in self._tiled_calls():
-                    q, k, v = q.detach(), k.detach(), v.detach()  # as inside the op: no autograd graph
-                    ids = (q_doc, k_doc, q_pos, k_pos)
-                    out, lse = tiled.tiled_attention_forward(q, k, v, *ids, scale=q.shape[-1] ** -0.5, **bounds)
-                    tiled.tiled_attention_backward(
-                        torch.ones_like(out), q, k, v, *ids, out, lse, scale=q.shape[-1] ** -0.5, **bounds
-                    )
+            self.step(path)
         self.zero_grad()
         return counter.get_total_flops() / 1e9
 
@@ -212,11 +215,8 @@ def measure(cell: Cell, path: str, *, repeats: int, budget_gflop: float, dense_g
     if path == "dense" and cell.dense_gib() > dense_gib:
         row["skipped"] = f"needs ~{cell.dense_gib():.0f} GiB of [S, S] state"
         return row
-    tile_gflop = cell.tiled_tile_gflop() if path == "tiled" else None
-    if path == "tiled" and tile_gflop > budget_gflop:
-        row["skipped"] = f"{tile_gflop:.0f} GFLOP > --budget-gflop"
-        row["gflop_from_tiles"] = round(tile_gflop, 3)
-        row["flop_ratio"] = round(tile_gflop / row["visible_gflop"], 3)
+    if path == "tiled" and row["visible_gflop"] > budget_gflop:
+        row["skipped"] = f"{row['visible_gflop']:.0f} GFLOP > --budget-gflop"
         return row
     release_free_memory()
     row["gflop"] = round(cell.counted_gflop(path), 3)
@@ -242,25 +242,136 @@ def growth(rows: list[dict]) -> None:
             last[key] = row["peak_mib"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
-    parser.add_argument("--quick", action="store_true", help="lengths 2k-8k")
-    parser.add_argument("--modes", nargs="+", default=["local", "ulysses_cp2", "ring_cp2"])
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--tile", type=int, default=tiled.DEFAULT_TILE, help="the tiled op's tile edge")
-    parser.add_argument("--budget-gflop", type=float, default=250.0, help="largest tiled cell actually run")
-    parser.add_argument("--dense-gib", type=float, default=6.0, help="largest dense [S, S] state actually run")
-    parser.add_argument("--out", default=str(RESULTS / "packed_attention.json"))
-    args = parser.parse_args()
-    lengths = [2048, 4096, 8192] if args.quick else args.lengths
-    tiled.DEFAULT_TILE = args.tile
-    torch.manual_seed(0)
-    started = time.time()
-    shape = Shape(args.heads, args.kv_heads, args.head_dim)
+# ---------------------------------------------------------------------------------------------------------------
+# --table sdpa: the op against SDPA on the same inputs
+
+LAYOUTS = {"one document": None, "mean 512": 512}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def sdpa_peer(layout: str):
+    """SDPA's fused CPU kernel as a user would call it for the layout: ``is_causal`` for one document (GQA read by
+    the kernel), the dense document mask for packed rows (the reference)."""
+    if layout == "one document":
+
+        def causal(q, k, v, attn):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            )
+            return out.transpose(1, 2)
+
+        return causal
+    return packed_causal_attention
+
+
+def _interleaved(steps: dict, *, repeats: int) -> dict[str, list[float]]:
+    """Seconds per step of each entry, alternating the order every repeat, after one warm-up each."""
+    names = list(steps)
+    for name in names:
+        steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else reversed(names):
+            started = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - started)
+    return times
+
+
+def compare(length: int, layout: str, dtype: str, shape: Shape, *, repeats: int, dense_gib: float) -> dict:
+    docs = document_row(length, mean=LAYOUTS[layout], seed=length)
+    attn = build_attention_inputs(docs)
+    q, k, v = (t.detach().to(DTYPES[dtype]).requires_grad_() for t in _qkv(length, *dataclasses.astuple(shape), seed=1))
+    pos = torch.arange(length)
+    plan = packed_attention_module.span_plan(
+        q,
+        docs,
+        docs,
+        pos,
+        pos,
+        tile=packed_attention_module.DEFAULT_TILE,
+        min_k_pos=0,
+        max_back=attn.max_seqlen,
+    )
+    row = {"S": length, "layout": layout, "dtype": dtype, "kernel": "spans" if plan is not None else "tiles"}
+
+    def step(op):
+        def run() -> None:
+            op(q, k, v, attn).sum().backward()
+            q.grad = k.grad = v.grad = None
+
+        return run
+
+    steps = {"tiled": step(tiled_packed_attention)}
+    state_gib = length * length * 5 / 2**30
+    if layout == "one document" or state_gib <= dense_gib:
+        steps["sdpa"] = step(sdpa_peer(layout))
+    else:
+        row["sdpa_skipped"] = f"dense mask: ~{state_gib:.0f} GiB of [S, S] state"
+    for name, run in steps.items():
+        release_free_memory()
+        row[f"{name}_peak_mib"] = round(peak_bytes(run, device=torch.device("cpu")) / 2**20, 1)
+    times = _interleaved(steps, repeats=repeats)
+    for name, values in times.items():
+        row[f"{name}_ms"] = round(statistics.median(values) * 1e3, 1)
+        row[f"{name}_spread_ms"] = [round(min(values) * 1e3, 1), round(max(values) * 1e3, 1)]
+    if "sdpa" in times:
+        ratios = [t / p for t, p in zip(times["tiled"], times["sdpa"])]
+        row["ratio"] = round(statistics.median(ratios), 3)
+        row["ratio_spread"] = [round(min(ratios), 3), round(max(ratios), 3)]
+    return row
+
+
+def _spread(row: dict, key: str) -> str | None:
+    if key not in row:
+        return None
+    lo, hi = row[key]
+    return f"{lo:g}-{hi:g}"
+
+
+def sdpa_table(args: argparse.Namespace, shape: Shape, lengths: list[int]) -> tuple[list[dict], str]:
+    rows = []
+    for layout in args.layouts:
+        for dtype in args.dtypes:
+            for length in lengths:
+                row = compare(length, layout, dtype, shape, repeats=args.repeats, dense_gib=args.dense_gib)
+                rows.append(row)
+                print(row, flush=True)
+    headers = [
+        "S",
+        "layout",
+        "dtype",
+        "kernel",
+        "tiled ms",
+        "tiled min-max",
+        "SDPA ms",
+        "SDPA min-max",
+        "ratio",
+        "ratio min-max",
+        "tiled peak MiB",
+        "SDPA peak MiB",
+    ]
+    table_rows = [
+        [
+            r["S"],
+            r["layout"],
+            r["dtype"],
+            r["kernel"],
+            r["tiled_ms"],
+            _spread(r, "tiled_spread_ms"),
+            r.get("sdpa_ms", r.get("sdpa_skipped")),
+            _spread(r, "sdpa_spread_ms"),
+            r.get("ratio"),
+            _spread(r, "ratio_spread"),
+            r["tiled_peak_mib"],
+            r.get("sdpa_peak_mib"),
+        ]
+        for r in rows
+    ]
+    return rows, markdown_table(headers=headers, rows=table_rows)
+
+
+def modes_table(args: argparse.Namespace, shape: Shape, lengths: list[int]) -> tuple[list[dict], str]:
     rows = []
     for docs_mean, docs_name in ((512, "mean 512"), (None, "one document")):
         for mode in args.modes:
@@ -285,20 +396,83 @@ def main() -> None:
             r["path"],
             r.get("peak_mib", r.get("skipped")),
             r.get("peak_growth"),
-            r.get("gflop", r.get("gflop_from_tiles")),
+            r.get("gflop"),
             r["visible_gflop"],
             r.get("flop_ratio"),
             r.get("median_ms"),
         ]
         for r in rows
     ]
-    table = markdown_table(headers=headers, rows=table_rows)
-    print(table)
-    shape_line = (
-        f"heads {args.heads}, kv heads {args.kv_heads}, head_dim {args.head_dim}, fp32, batch 1, tile {args.tile}"
+    return rows, markdown_table(headers=headers, rows=table_rows)
+
+
+def crossover_table(args: argparse.Namespace, shape: Shape, lengths: list[int]) -> tuple[list[dict], str]:
+    """The op's two kernels on the same rows of documents of mean length 16 .. 256 (fp32, forward + backward): where
+    dense spans overtake the tiled loop (``SPAN_MIN_RUN``)."""
+    rows = []
+    for length in lengths:
+        for mean in (16, 32, 64, 128, 256):
+            docs = document_row(length, mean=mean, seed=length)
+            attn = build_attention_inputs(docs)
+            q, k, v = _qkv(length, *dataclasses.astuple(shape), seed=1)
+            kw = {"q_doc": docs, "k_doc": docs, "q_pos": torch.arange(length), "k_pos": torch.arange(length)}
+
+            def run(tile: int, q=q, k=k, v=v, kw=kw, attn=attn) -> None:
+                out, _ = packed_attention(q, k, v, tile=tile, max_back=attn.max_seqlen, **kw)
+                out.sum().backward()
+                q.grad = k.grad = v.grad = None
+
+            tile = packed_attention_module.choose_tile(attn.max_seqlen)
+            times = _interleaved(
+                {"spans": lambda: run(packed_attention_module.DENSE_SPANS), "tiles": lambda t=tile: run(t)},
+                repeats=args.repeats,
+            )
+            row = {"S": length, "mean": mean, "tile": tile}
+            row.update({f"{name}_ms": round(statistics.median(v) * 1e3, 1) for name, v in times.items()})
+            row["spans / tiles"] = round(row["spans_ms"] / row["tiles_ms"], 3)
+            rows.append(row)
+            print(row, flush=True)
+    headers = ["S", "mean document", "tile", "spans ms", "tiles ms", "spans / tiles"]
+    table_rows = [[r["S"], r["mean"], r["tile"], r["spans_ms"], r["tiles_ms"], r["spans / tiles"]] for r in rows]
+    return rows, markdown_table(headers=headers, rows=table_rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", choices=["sdpa", "modes", "crossover"], default="sdpa")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--quick", action="store_true", help="lengths 2k-8k")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--modes", nargs="+", default=["local", "ulysses_cp2", "ring_cp2"])
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--tile", type=int, default=packed_attention_module.DEFAULT_TILE, help="the op's tile: 0 auto, >0 the loop"
     )
-    write_json(Path(args.out), payload={"shape": shape_line, "rows": rows}, table=table, wall_s=time.time() - started)
-    Path(args.out).with_suffix(".md").write_text(f"# Packed attention, {shape_line}\n\n{table}\n")
+    parser.add_argument("--budget-gflop", type=float, default=250.0, help="largest op cell run (--table modes)")
+    parser.add_argument("--dense-gib", type=float, default=2.0, help="largest dense [S, S] state actually run")
+    parser.add_argument("--out", default=None, help="JSON path (default: results/packed_attention[_modes].json)")
+    args = parser.parse_args()
+    lengths = [2048, 4096, 8192] if args.quick else args.lengths
+    packed_attention_module.DEFAULT_TILE = args.tile
+    torch.manual_seed(0)
+    started = time.time()
+    shape = Shape(args.heads, args.kv_heads, args.head_dim)
+    build = {"sdpa": sdpa_table, "modes": modes_table, "crossover": crossover_table}[args.table]
+    rows, table = build(args, shape, lengths)
+    print(table)
+    name = "packed_attention" if args.table == "sdpa" else f"packed_attention_{args.table}"
+    out = Path(args.out or RESULTS / f"{name}.json")
+    shape_line = (
+        f"heads {args.heads}, kv heads {args.kv_heads}, head_dim {args.head_dim}, batch 1, tile {args.tile} "
+        f"(0: chosen per call), {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
+    write_json(out, payload={"shape": shape_line, "rows": rows}, table=table, wall_s=time.time() - started)
+    title = {"sdpa": "vs SDPA", "modes": "per CP rank", "crossover": "kernels: spans vs tiles"}[args.table]
+    out.with_suffix(".md").write_text(f"# Packed attention {title}, {shape_line}\n\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ DENSE_SPANS = -1
 DEFAULT_TILE = TILE_AUTO
 # Dense spans under TILE_AUTO when the query runs (documents, cut at chunk edges) average at least this many
 # positions: below it the per-block kernel calls cost more than the tiled loop's masked work
-# (benchmarks/packed_attention.py --crossover).
+# (benchmarks/packed_attention.py --table crossover).
 SPAN_MIN_RUN = 64
 
 # ------------------------------------------------------------------------------------------------------------

@@ -195,12 +195,12 @@ def spans_forward(
             blk.causal,
             scale=scale,
         )
-        o = o.transpose(1, 2).to(acc)  # [1, L, h, d]
+        o = o.transpose(1, 2)  # [1, L, h, d]
         dst_o, dst_l = out[blk.row : blk.row + 1, blk.q0 : blk.q1], lse[blk.row : blk.row + 1, :, blk.q0 : blk.q1]
         if blk.q0 < written[blk.row]:  # a second block of the same query run
-            _merge_into(dst_o, dst_l, o, block_lse.to(acc))
+            _merge_into(dst_o, dst_l, o.to(acc), block_lse.to(acc))
         else:
-            dst_o.copy_(o)
+            dst_o.copy_(o)  # the one write (and cast) of a run's first block
             dst_l.copy_(block_lse)
         written[blk.row] = max(written[blk.row], blk.q1)
     if plan.self_q.numel():
