@@ -278,7 +278,9 @@ def _interleaved(steps: dict, *, repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def compare(length: int, layout: str, dtype: str, shape: Shape, *, repeats: int, dense_gib: float) -> dict:
+def compare(
+    length: int, layout: str, dtype: str, shape: Shape, *, repeats: int, dense_gib: float, budget_gflop: float
+) -> dict:
     docs = document_row(length, mean=LAYOUTS[layout], seed=length)
     attn = build_attention_inputs(docs)
     q, k, v = (t.detach().to(DTYPES[dtype]).requires_grad_() for t in _qkv(length, *dataclasses.astuple(shape), seed=1))
@@ -294,6 +296,12 @@ def compare(length: int, layout: str, dtype: str, shape: Shape, *, repeats: int,
         max_back=attn.max_seqlen,
     )
     row = {"S": length, "layout": layout, "dtype": dtype, "kernel": "spans" if plan is not None else "tiles"}
+    extents = torch.unique_consecutive(docs[0], return_counts=True)[1]
+    visible_gflop = float((extents * (extents + 1) // 2).sum()) * shape.heads * shape.head_dim * 14 / 1e9
+    row["visible_gflop"] = round(visible_gflop, 1)
+    if visible_gflop > budget_gflop:
+        row["skipped"] = f"not run: {visible_gflop:.0f} visible GFLOP > --budget-gflop"
+        return row
 
     def step(op):
         def run() -> None:
@@ -334,7 +342,15 @@ def sdpa_table(args: argparse.Namespace, shape: Shape, lengths: list[int]) -> tu
     for layout in args.layouts:
         for dtype in args.dtypes:
             for length in lengths:
-                row = compare(length, layout, dtype, shape, repeats=args.repeats, dense_gib=args.dense_gib)
+                row = compare(
+                    length,
+                    layout,
+                    dtype,
+                    shape,
+                    repeats=args.repeats,
+                    dense_gib=args.dense_gib,
+                    budget_gflop=args.budget_gflop,
+                )
                 rows.append(row)
                 print(row, flush=True)
     headers = [
@@ -357,13 +373,13 @@ def sdpa_table(args: argparse.Namespace, shape: Shape, lengths: list[int]) -> tu
             r["layout"],
             r["dtype"],
             r["kernel"],
-            r["tiled_ms"],
+            r.get("tiled_ms", r.get("skipped")),
             _spread(r, "tiled_spread_ms"),
             r.get("sdpa_ms", r.get("sdpa_skipped")),
             _spread(r, "sdpa_spread_ms"),
             r.get("ratio"),
             _spread(r, "ratio_spread"),
-            r["tiled_peak_mib"],
+            r.get("tiled_peak_mib"),
             r.get("sdpa_peak_mib"),
         ]
         for r in rows
@@ -452,7 +468,7 @@ def main() -> None:
     parser.add_argument(
         "--tile", type=int, default=packed_attention_module.DEFAULT_TILE, help="the op's tile: 0 auto, >0 the loop"
     )
-    parser.add_argument("--budget-gflop", type=float, default=250.0, help="largest op cell run (--table modes)")
+    parser.add_argument("--budget-gflop", type=float, default=250.0, help="largest cell run (visible GFLOP)")
     parser.add_argument("--dense-gib", type=float, default=2.0, help="largest dense [S, S] state actually run")
     parser.add_argument("--out", default=None, help="JSON path (default: results/packed_attention[_modes].json)")
     args = parser.parse_args()

@@ -63,6 +63,14 @@ class SpanPlan:
     def mean_query_run(self, queries: int) -> float:
         return queries / max(self.query_runs, 1)
 
+    def whole(self, sq: int, sk: int) -> Block | None:
+        """The one block, when it is the whole call (one row, one document, nothing else): the kernel's results
+        are the op's, with no accumulator and no copy (one-document rows)."""
+        if len(self.blocks) != 1 or self.self_q.numel():
+            return None
+        blk = self.blocks[0]
+        return blk if (blk.q0, blk.q1, blk.k0, blk.k1) == (0, sq, 0, sk) else None
+
 
 def _runs(doc: torch.Tensor, pos: torch.Tensor) -> list[tuple[int, int, int, int]]:
     """``(doc, first index, end index, first position)`` of each maximal run of one document id (>= 0) over
@@ -183,6 +191,10 @@ def spans_forward(
     """``(out [B, Sq, h, d], lse [B, h, Sq])`` in fp32 (fp64 for fp64 inputs); rows without a visible key: 0, -inf."""
     b, sq, h, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
+    whole = plan.whole(sq, k.shape[1]) if b == 1 else None
+    if whole is not None:
+        o, whole_lse = _FLASH(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, whole.causal, scale=scale)
+        return o.transpose(1, 2).to(acc), whole_lse.to(acc).contiguous()
     out = torch.zeros((b, sq, h, d), dtype=acc, device=q.device)
     lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
     written = [0] * b  # per row, the end of the query indices written so far (blocks come in query order)
@@ -249,6 +261,12 @@ def spans_backward(
             return None
         kernel_out = lowered
     do_k, out_k = grad_out.to(q.dtype), kernel_out.to(q.dtype)  # the kernel takes one dtype
+    whole = plan.whole(q.shape[1], k.shape[1]) if q.shape[0] == 1 else None
+    if whole is not None:
+        grads = _FLASH_BACKWARD(
+            *(x.transpose(1, 2) for x in (do_k, q, k, v, out_k)), lse.to(acc), 0.0, whole.causal, scale=scale
+        )
+        return tuple(g.transpose(1, 2) for g in grads)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
