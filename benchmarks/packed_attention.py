@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
 import statistics
 import sys
@@ -315,7 +316,7 @@ def compare(
     if layout == "one document" or state_gib <= dense_gib:
         steps["sdpa"] = step(sdpa_peer(layout))
     else:
-        row["sdpa_skipped"] = f"dense mask: ~{state_gib:.0f} GiB of [S, S] state"
+        row["sdpa_skipped"] = f"not run: dense mask, {state_gib:.2g} GiB of [S, S] state > --dense-gib"
     for name, run in steps.items():
         release_free_memory()
         row[f"{name}_peak_mib"] = round(peak_bytes(run, device=torch.device("cpu")) / 2**20, 1)
@@ -353,6 +354,10 @@ def sdpa_table(args: argparse.Namespace, shape: Shape, lengths: list[int]) -> tu
                 )
                 rows.append(row)
                 print(row, flush=True)
+    return rows, sdpa_markdown(rows)
+
+
+def sdpa_markdown(rows: list[dict]) -> str:
     headers = [
         "S",
         "layout",
@@ -384,7 +389,16 @@ def sdpa_table(args: argparse.Namespace, shape: Shape, lengths: list[int]) -> tu
         ]
         for r in rows
     ]
-    return rows, markdown_table(headers=headers, rows=table_rows)
+    return markdown_table(headers=headers, rows=table_rows)
+
+
+def merged_table(args: argparse.Namespace, shape: Shape, lengths: list[int]) -> tuple[list[dict], str]:
+    """The rows of earlier ``--table sdpa`` runs (``--merge A.json B.json``: e.g. one run per layout, each with its
+    own limits), in layout / dtype / S order."""
+    rows = [row for path in args.merge for row in json.loads(Path(path).read_text())["rows"]]
+    order = {name: i for i, name in enumerate(LAYOUTS)}
+    rows.sort(key=lambda r: (order[r["layout"]], list(DTYPES).index(r["dtype"]), r["S"]))
+    return rows, sdpa_markdown(rows)
 
 
 def modes_table(args: argparse.Namespace, shape: Shape, lengths: list[int]) -> tuple[list[dict], str]:
@@ -470,6 +484,7 @@ def main() -> None:
     )
     parser.add_argument("--budget-gflop", type=float, default=250.0, help="largest cell run (visible GFLOP)")
     parser.add_argument("--dense-gib", type=float, default=2.0, help="largest dense [S, S] state actually run")
+    parser.add_argument("--merge", nargs="+", default=None, help="JSONs of --table sdpa runs to write as one table")
     parser.add_argument("--out", default=None, help="JSON path (default: results/packed_attention[_modes].json)")
     args = parser.parse_args()
     lengths = [2048, 4096, 8192] if args.quick else args.lengths
@@ -478,6 +493,8 @@ def main() -> None:
     started = time.time()
     shape = Shape(args.heads, args.kv_heads, args.head_dim)
     build = {"sdpa": sdpa_table, "modes": modes_table, "crossover": crossover_table}[args.table]
+    if args.merge:
+        build = merged_table
     rows, table = build(args, shape, lengths)
     print(table)
     name = "packed_attention" if args.table == "sdpa" else f"packed_attention_{args.table}"
