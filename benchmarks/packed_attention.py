@@ -382,7 +382,7 @@ def sdpa_markdown(rows: list[dict]) -> str:
             _spread(r, "tiled_spread_ms"),
             r.get("sdpa_ms", r.get("sdpa_skipped")),
             _spread(r, "sdpa_spread_ms"),
-            r.get("ratio"),
+            None if "ratio" not in r else f"{r['ratio']:.3f}",
             _spread(r, "ratio_spread"),
             r.get("tiled_peak_mib"),
             r.get("sdpa_peak_mib"),
@@ -505,7 +505,10 @@ def main() -> None:
     )
     write_json(out, payload={"shape": shape_line, "rows": rows}, table=table, wall_s=time.time() - started)
     title = {"sdpa": "vs SDPA", "modes": "per CP rank", "crossover": "kernels: spans vs tiles"}[args.table]
-    out.with_suffix(".md").write_text(f"# Packed attention {title}, {shape_line}\n\n{table}\n")
+    runs = [json.loads(Path(path).read_text()).get("command", path) for path in args.merge or ()]
+    sources = "".join(f"- `{command}`\n" for command in runs)
+    sources = f"Rows of these runs (interleaved medians, min-max over repeats):\n\n{sources}\n" if runs else ""
+    out.with_suffix(".md").write_text(f"# Packed attention {title}, {shape_line}\n\n{sources}{table}\n")
 
 
 if __name__ == "__main__":
