@@ -4,13 +4,14 @@ On a fresh machine inductor compiles every block layout during step 1, forward a
 lazily at its first backward; on CPU that is minutes (``make run``: about 3.5 of a 6-minute run, README "First
 run") with nothing on screen. ``CompileProgress`` prints, on the process that installs it::
 
-    compile | fwd graph [0/0] done in 41.3 s (1 graph so far, 52.0 s since start)
+    compile | fwd graph [0/0] of block 0 (ac_outer) done in 41.3 s (1 graph so far, 52.0 s since start)
     compile | bwd graph of [0/0] done in 30.2 s (2 graphs so far, 83.1 s since start)
-    compile | still compiling fwd graph [1/0]: 60 s
+    compile | still compiling fwd graph [0/1] of block 1 (ac_outer): 60 s
 
-``[frame/recompile]`` is Dynamo's compile id: a new first number is a new frame (a block layout), a new second
-number a recompile of it (which ``nemo_ac.diagnostics.recompiles`` explains). A compile that runs longer than
-``heartbeat_s`` gets a "still compiling" line every ``heartbeat_s``.
+``[frame/recompile]`` is Dynamo's compile id: a new first number is a new frame, a new second number another
+graph of it: the first compile of another block layout (``of block N``: the block layout compiling, from
+``diagnostics.recompiles.compiling_layout``) or a recompile (which ``nemo_ac.diagnostics.recompiles`` explains).
+A compile that runs longer than ``heartbeat_s`` gets a "still compiling" line every ``heartbeat_s``.
 
 Source: the same Dynamo start/end callbacks as the recompile accounting (private; no public per-compile hook exists
 -- ``torch.compiler`` has none, ``torch._logging`` only logs), registered through
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nemo_ac.diagnostics.recompiles import current_layout
 from nemo_ac.workarounds.dynamo_compile_events import add_compile_callbacks, remove_compile_callbacks
 
 Write = Callable[[str], None]
@@ -49,7 +51,11 @@ class CompileProgress:
     def _what(args: Any) -> str:
         trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
         compile_id = str(getattr(args, "compile_id", "?"))
-        return f"bwd graph of [{compile_id}]" if trigger == "LAZY_BACKWARD" else f"fwd graph [{compile_id}]"
+        layout = current_layout()
+        where = f" of {layout}" if layout else ""
+        return (
+            f"bwd graph of [{compile_id}]{where}" if trigger == "LAZY_BACKWARD" else f"fwd graph [{compile_id}]{where}"
+        )
 
     def _on_start(self, args: Any) -> None:
         now = time.perf_counter()

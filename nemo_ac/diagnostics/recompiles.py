@@ -11,6 +11,14 @@ defensively; none changes what torch does):
   every lazily compiled AOTAutograd backward graph -> per-thread counts, and graph breaks as the growth of Dynamo's
   ``graph_break`` counter during that compile.
 - Dynamo's compilation metrics: recompile reasons, joined to the thread by compile id.
+- the block layout being compiled (``compiling_layout``, set around every compiled block's call by
+  ``nemo_ac.distributed.compile``), read at each compile's start: a frame's first compile under a block layout it
+  has not compiled for yet (Qwen3.5's ``linear_attn`` block after its ``self_attn`` block: one code object, two
+  graphs) is a *new layout*, counted apart from a recompile, which is a frame compiling again for a layout it
+  already has a graph for.
+- automatic dynamic: a recompile whose reason is ``tensor '...' size mismatch at index N`` means a size Dynamo
+  specialized on at the first compile changed (a per-row size not declared dynamic): counted as
+  ``dynamic_recompiles``, a failure of the compile setup (``nemo_ac.workarounds.dynamic_per_batch_ints``).
 - the warning Dynamo logs on ``torch._dynamo.convert_frame`` when a frame hits its recompile limit: from then on
   the frame runs eagerly. Turned into an ``EagerFallbackWarning`` (loud, per thread); so is a compile(AC(block))
   entry frame that captured no graph (a graph break inside a traced checkpoint makes Dynamo skip the region).
@@ -20,11 +28,12 @@ This module imports nothing from nemo_ac.distributed / trainer (diagnostics are 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +52,35 @@ UNKNOWN = "unknown"
 
 _LIMIT_LOGGER = "torch._dynamo.convert_frame"
 _LIMIT_PREFIX = "torch._dynamo hit config."
+# Dynamo's guard-failure text for a tensor size that changed since the first compile (automatic dynamic follows).
+AUTOMATIC_DYNAMIC_REASON = "size mismatch"
+
+_layout_state = threading.local()
+
+
+@contextlib.contextmanager
+def compiling_layout(key: str) -> Iterator[None]:
+    """Name the block layout whose compiled code runs on this thread (nested: the innermost wins, restored).
+
+    ``CompileAccounting`` reads it when a compile starts, so the first compile of a frame for a new layout is told
+    apart from a recompile. Thread-local: the recompute of AC(compile(block)) sets it again on its own thread.
+    """
+    previous = getattr(_layout_state, "key", None)
+    _layout_state.key = key
+    try:
+        yield
+    finally:
+        _layout_state.key = previous
+
+
+def current_layout() -> str | None:
+    """The innermost ``compiling_layout`` key on this thread (None outside every compiled block)."""
+    return getattr(_layout_state, "key", None)
+
+
+def is_automatic_dynamic(reason: str) -> bool:
+    """Whether a recompile reason is a tensor size that changed after the first compile specialized on it."""
+    return AUTOMATIC_DYNAMIC_REASON in reason
 
 
 class EagerFallbackWarning(RuntimeWarning):
@@ -54,7 +92,9 @@ class ThreadCounts:
     """Cumulative counts of one thread class (fwd / bwd)."""
 
     compiles: int = 0  # Dynamo frame compiles
-    recompiles: int = 0  # of which recompiles of an already compiled frame
+    layout_compiles: int = 0  # of which first compiles of an already compiled frame for a new block layout
+    recompiles: int = 0  # of which recompiles of a frame for a layout it already has a graph for
+    dynamic_recompiles: int = 0  # of those, automatic dynamic ("size mismatch"): a failure
     graph_breaks: int = 0
     backward_graphs: int = 0  # AOTAutograd backward graphs compiled lazily at their first backward
     reasons: Counter = field(default_factory=Counter)  # recompile reason (first line) -> count
@@ -108,8 +148,10 @@ class CompileAccounting:
         self.threads = {FORWARD: ThreadCounts(), OTHER: ThreadCounts()}
         self.fallbacks: list[EagerFallback] = []
         self._lock = threading.Lock()
-        self._open: dict[int, tuple[str, str, str, int]] = {}  # thread ident -> (label, trigger, compile id, gb0)
-        self._compile_thread: dict[str, str] = {}  # Dynamo compile id -> label
+        # thread ident -> (label, trigger, compile id, graph breaks before, layout)
+        self._open: dict[int, tuple[str, str, str, int, str | None]] = {}
+        self._compile_thread: dict[str, tuple[str, str | None]] = {}  # Dynamo compile id -> (label, layout)
+        self._frame_layouts: set[tuple[str, str | None]] = set()  # (compiled code, layout) with a graph
         self._seen_metrics: set[tuple[Any, ...]] = set()
         self._handler: Any | None = None
         self._log_handler: _LimitHitHandler | None = None
@@ -147,21 +189,27 @@ class CompileAccounting:
         trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
         compile_id = str(getattr(args, "compile_id", ""))
         with self._lock:
-            self._open[threading.get_ident()] = (self._label(), trigger, compile_id, graph_break_total())
+            self._open[threading.get_ident()] = (
+                self._label(),
+                trigger,
+                compile_id,
+                graph_break_total(),
+                current_layout(),
+            )
 
     def _on_end(self, args: Any) -> None:
         with self._lock:
             opened = self._open.pop(threading.get_ident(), None)
             if opened is None:
                 return
-            label, trigger, compile_id, breaks_before = opened
+            label, trigger, compile_id, breaks_before, layout = opened
             counts = self.threads[label]
             counts.graph_breaks += max(graph_break_total() - breaks_before, 0)
             if trigger == "LAZY_BACKWARD":
                 counts.backward_graphs += 1
             elif trigger == "DYNAMO":
                 counts.compiles += 1
-                self._compile_thread[compile_id] = label
+                self._compile_thread[compile_id] = (label, layout)
 
     def _fallback(self, fallback: EagerFallback, *, from_log: bool = False) -> None:
         with self._lock:
@@ -184,9 +232,9 @@ class CompileAccounting:
             self._seen_metrics.add(key)
             if entry.is_forward is False:
                 continue
-            label = self._compile_thread.get(str(entry.compile_id))
+            joined = self._compile_thread.get(str(entry.compile_id))
             reason = (entry.recompile_reason or "").splitlines()[0] if entry.recompile_reason else ""
-            if label is None:
+            if joined is None:
                 # Never reached the compile callbacks: Dynamo gave up before compiling (recompile limit). The log
                 # handler reported it with its thread; report it here only if logging was silenced.
                 if "recompile limit" in (entry.fail_reason or ""):
@@ -196,11 +244,9 @@ class CompileAccounting:
                     if not logged:
                         self._fallback(EagerFallback(UNKNOWN, _code(entry), f"recompile limit hit: {reason}"))
                 continue
+            label, layout = joined
             with self._lock:
-                self.threads[label].frames[_code(entry)] += 1
-                if reason:
-                    self.threads[label].recompiles += 1
-                    self.threads[label].reasons[reason] += 1
+                self._count(self.threads[label], code=_code(entry), layout=layout, reason=reason)
             if (entry.co_filename, entry.co_firstlineno) in self.watch and not entry.graph_op_count:
                 self._fallback(
                     EagerFallback(
@@ -210,6 +256,20 @@ class CompileAccounting:
                         "nested FSDP unit's hooks) makes Dynamo skip the whole region; use compile.layout ac_outer",
                     )
                 )
+
+    def _count(self, counts: ThreadCounts, *, code: str, layout: str | None, reason: str) -> None:
+        """One forward compile of ``code``: a first compile, a new layout's first compile, or a recompile."""
+        counts.frames[code] += 1
+        first_for_layout = (code, layout) not in self._frame_layouts
+        self._frame_layouts.add((code, layout))
+        if not reason:
+            return
+        if first_for_layout and layout is not None and not is_automatic_dynamic(reason):
+            counts.layout_compiles += 1
+            return
+        counts.recompiles += 1
+        counts.reasons[reason] += 1
+        counts.dynamic_recompiles += int(is_automatic_dynamic(reason))
 
     # -- views ------------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, int]:
@@ -221,6 +281,8 @@ class CompileAccounting:
             "compiles_bwd": bwd.compiles,
             "recompiles_fwd": fwd.recompiles,
             "recompiles_bwd": bwd.recompiles,
+            "layout_compiles": fwd.layout_compiles + bwd.layout_compiles,
+            "dynamic_recompiles": fwd.dynamic_recompiles + bwd.dynamic_recompiles,
             "graph_breaks": fwd.graph_breaks + bwd.graph_breaks,
             "bwd_graphs": fwd.backward_graphs + bwd.backward_graphs,
             "eager_fallbacks": len(self.fallbacks),
@@ -260,9 +322,14 @@ class CompileAccounting:
         lines = [
             f"compile | fwd thread: {m['compiles_fwd']} compiles ({m['recompiles_fwd']} recompiles) | "
             f"bwd thread(s): {m['compiles_bwd']} compiles ({m['recompiles_bwd']} recompiles) | "
-            f"{m['bwd_graphs']} backward graphs | {m['graph_breaks']} graph breaks | "
-            f"{m['eager_fallbacks']} eager fallbacks"
+            f"{m['layout_compiles']} new-layout compiles | {m['bwd_graphs']} backward graphs | "
+            f"{m['graph_breaks']} graph breaks | {m['eager_fallbacks']} eager fallbacks"
         ]
+        if m["dynamic_recompiles"]:
+            lines.append(
+                f"compile | FAILURE: {m['dynamic_recompiles']} automatic-dynamic recompiles (a size that varies per "
+                "step was compiled static first; declare it in nemo_ac.workarounds.dynamic_per_batch_ints)"
+            )
         for label, counts in self.threads.items():
             for reason, count in counts.reasons.most_common(3):
                 lines.append(f"compile | {label} recompile x{count}: {reason}")

@@ -5,6 +5,12 @@ Blocks are compiled by replacing the instance's ``forward`` with ``torch.compile
 (``nn.Module.compile`` compiles ``_call_impl``) keeps the block's own FSDP2 hooks outside the compiled frame: with
 ``activation_checkpointing.placement: outside`` they sit on the compiled module itself and would otherwise
 graph-break at the entry and exit of every block.
+
+Blocks of one class share one code object, so Dynamo keeps one cache for all of them: identical blocks reuse the
+first block's graph, and a block of another layout (Qwen3.5's Gated DeltaNet block after its attention block)
+compiles once more under the same code. Each compiled call names its block's layout
+(``diagnostics.recompiles.compiling_layout``: the block class, its submodules' names and classes and the compile
+layout), so the compile summary counts that compile as a new layout's first compile, not as a recompile.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from torch import nn
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.diagnostics.recompiles import compiling_layout
 from nemo_ac.distributed.blocks import decoder_layers, unwrap_block
 from nemo_ac.distributed.compile.settings import CompileSettings, use_compile_settings
 from nemo_ac.distributed.plan import CompileLayout, CompilePlan, ParallelPlan
@@ -74,6 +81,8 @@ class CompiledBlock:
     # (co_filename, co_firstlineno) of that forward when it traces a checkpoint (compile(AC(block))), for
     # CompileAccounting's empty-graph check; None otherwise.
     checkpoint_entry: tuple[str, int] | None = None
+    # The block layout its compiled calls run under ("block 0 (ac_outer)": the first block of that structure).
+    layout_key: str = ""
 
 
 def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> list[CompiledBlock]:
@@ -95,6 +104,7 @@ def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> list[CompiledBlock
     if len(block_plans) != len(layers):
         raise ValueError(f"the plan has {len(block_plans)} blocks for {len(layers)} decoder layers")
     report = []
+    layout_keys: dict[tuple[Any, ...], str] = {}
     for index, (outer, block_plan) in enumerate(zip(layers, block_plans)):
         layout = block_plan.compile_layout
         if layout is None:
@@ -105,21 +115,41 @@ def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> list[CompiledBlock
             raise RuntimeError(f"{block_plan.path} is already compiled")
         entry = _code_key(target.forward) if target is not inner else None
         region_kwargs = ac_outer_compile_kwargs(kwargs) if target is inner and inner is not outer else kwargs
-        target.forward = _CompiledForward(torch.compile(target.forward, **region_kwargs))
+        layout_key = layout_keys.setdefault(block_structure(target, layout=layout), f"block {index} ({layout})")
+        target.forward = _CompiledForward(torch.compile(target.forward, **region_kwargs), layout_key=layout_key)
         outer.forward = _scoped(outer.forward, settings)
-        report.append(CompiledBlock(index=index, layout=layout, compiled=type(target).__name__, checkpoint_entry=entry))
+        report.append(
+            CompiledBlock(
+                index=index,
+                layout=layout,
+                compiled=type(target).__name__,
+                checkpoint_entry=entry,
+                layout_key=layout_key,
+            )
+        )
     return report
 
 
-class _CompiledForward:
-    """A compiled bound forward, recognizable (a second apply_compile on the same block is an error)."""
+def block_structure(module: nn.Module, *, layout: CompileLayout) -> tuple[Any, ...]:
+    """What makes two blocks compile to the same graph: the compile layout and every submodule's name and class
+    (FSDP2's per-class subclasses included). Blocks with equal structures share a layout key."""
+    return (layout, *((name, type(child).__qualname__) for name, child in module.named_modules()))
 
-    def __init__(self, compiled: Callable[..., Any]) -> None:
+
+class _CompiledForward:
+    """A compiled bound forward, recognizable (a second apply_compile on the same block is an error); each call
+    runs under its block's layout key for the compile accounting."""
+
+    def __init__(self, compiled: Callable[..., Any], *, layout_key: str) -> None:
         self.compiled = compiled
+        self.layout_key = layout_key
         functools.update_wrapper(self, compiled)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.compiled(*args, **kwargs)
+        if torch.compiler.is_compiling():  # traced by an enclosing compile: no thread-local writes in its graph
+            return self.compiled(*args, **kwargs)
+        with compiling_layout(self.layout_key):
+            return self.compiled(*args, **kwargs)
 
 
 def is_compiled(module: nn.Module) -> bool:
