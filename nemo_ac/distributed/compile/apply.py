@@ -27,6 +27,7 @@ from torch import nn
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.diagnostics.recompiles import compiling_layout
 from nemo_ac.distributed.blocks import decoder_layers, unwrap_block
+from nemo_ac.distributed.compile.boundaries import mark_unit_boundaries
 from nemo_ac.distributed.compile.settings import CompileSettings, use_compile_settings
 from nemo_ac.distributed.plan import CompileLayout, CompilePlan, ParallelPlan
 from nemo_ac.workarounds.compiled_regions_under_sac import ac_outer_compile_kwargs
@@ -90,7 +91,9 @@ def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> list[CompiledBlock
 
     compile_outer: the layer's forward (the AC wrapper's, or the bare block's without AC) is compiled.
     ac_outer: the block under the AC wrapper is compiled, with inductor's compiled regions wrapped
-    (``workarounds.compiled_regions_under_sac``); the wrapper stays eager.
+    (``workarounds.compiled_regions_under_sac``); the wrapper stays eager. The calls of its nested FSDP units are
+    eager boundaries whose token dims are marked dynamic (``boundaries``, at the block's first call: after
+    ``fully_shard``).
     Either way the layer's outer forward runs under ``CompileSettings`` (thread-local), so the forward compiles with
     them and the forward-thread context captures them for the recompute.
     """
@@ -116,7 +119,11 @@ def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> list[CompiledBlock
         entry = _code_key(target.forward) if target is not inner else None
         region_kwargs = ac_outer_compile_kwargs(kwargs) if target is inner and inner is not outer else kwargs
         layout_key = layout_keys.setdefault(block_structure(target, layout=layout), f"block {index} ({layout})")
-        target.forward = _CompiledForward(torch.compile(target.forward, **region_kwargs), layout_key=layout_key)
+        target.forward = _CompiledForward(
+            torch.compile(target.forward, **region_kwargs),
+            layout_key=layout_key,
+            before_first_call=functools.partial(mark_unit_boundaries, inner, block_plan),
+        )
         outer.forward = _scoped(outer.forward, settings)
         report.append(
             CompiledBlock(
@@ -140,14 +147,24 @@ class _CompiledForward:
     """A compiled bound forward, recognizable (a second apply_compile on the same block is an error); each call
     runs under its block's layout key for the compile accounting."""
 
-    def __init__(self, compiled: Callable[..., Any], *, layout_key: str) -> None:
+    def __init__(
+        self,
+        compiled: Callable[..., Any],
+        *,
+        layout_key: str,
+        before_first_call: Callable[[], Any] | None = None,
+    ) -> None:
         self.compiled = compiled
         self.layout_key = layout_key
+        self.before_first_call = before_first_call  # after fully_shard: boundaries.mark_unit_boundaries
         functools.update_wrapper(self, compiled)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # traced by an enclosing compile: no thread-local writes in its graph
             return self.compiled(*args, **kwargs)
+        if self.before_first_call is not None:
+            self.before_first_call, pending = None, self.before_first_call
+            pending()
         with compiling_layout(self.layout_key):
             return self.compiled(*args, **kwargs)
 

@@ -101,9 +101,15 @@ def test_patterns_match_the_sources_dynamo_builds_for_these_fields():
         "L['attn'].cu_seqlens",
     ):
         assert len(matches(source)) == 1, source
-    for source in ("L['attn'].max_seqlen_extra", "L['attn'].document_ids", "L['hidden']"):
+    for source in (
+        "L['ctx'].local_order",  # EP's dispatch context in the frame after the experts' FSDP unit
+        "L['ctx'].send_splits[0]",  # list items
+        "L['ctx'].recv_splits[1]",
+    ):
+        assert len(matches(source)) == 1, source
+    for source in ("L['attn'].max_seqlen_extra", "L['attn'].document_ids", "L['hidden']", "L['ctx'].send_splits"):
         assert not matches(source), source
-    assert [e for e in patterns if e.endswith(":0")] == [p for p in patterns if "cu_seqlens" in p]
+    assert [e for e in patterns if e.endswith(":0")] == [p for p in patterns if "cu_seqlens" in p or "local_order" in p]
 
 
 def test_a_recompute_thread_keeps_the_ints_dynamic_only_with_the_captured_settings():
