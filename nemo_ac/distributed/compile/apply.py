@@ -139,7 +139,7 @@ def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> list[CompiledBlock
 
 def block_structure(module: nn.Module, *, layout: CompileLayout) -> tuple[Any, ...]:
     """What makes two blocks compile to the same graph: the compile layout and every submodule's name and class
-    (FSDP2's per-class subclasses included). Blocks with equal structures share a layout key."""
+    (as built, before ``fully_shard``). Blocks with equal structures share a layout key."""
     return (layout, *((name, type(child).__qualname__) for name, child in module.named_modules()))
 
 
