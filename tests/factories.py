@@ -5,6 +5,7 @@ Test modules never import each other: what two of them share lives here (or, for
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,11 +13,14 @@ import torch
 
 from nemo_ac.config.schema import LinearAttentionConfig, MambaConfig, ModelConfig, MoEConfig
 from nemo_ac.distributed.activation_checkpointing import ContextFn, sac_region_context_fn, selective_policy_factory
+from nemo_ac.distributed.context_parallel.ring import ring_block_update, ring_kernel_step
+from nemo_ac.distributed.context_parallel.sharding import ring_attention_inputs, shard_positions
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs
+from nemo_ac.models.common.attention import build_attention_inputs, packed_causal_attention
 from nemo_ac.models.expert_bias import biased_routers
 from nemo_ac.models.hf import INDEX_FILE
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.models.interfaces import AttentionInputs
 
 # --- tiny model configs ----------------------------------------------------------------------------------------
 
@@ -402,3 +406,85 @@ QWEN36_35B_A3B = {
     "vision_end_token_id": 248054,
     "vision_start_token_id": 248053,
 }
+
+
+# Ring attention emulated in one process (every rank's K/V blocks in ring order), shared by the ring and the
+# packed-attention tests.
+RING_NH, RING_NKV, RING_HD = 4, 2, 8
+
+
+def ring_packed_docs(seq_len: int, lengths: list[int], *, pad_tail: int = 0) -> torch.Tensor:
+    """Document ids of one row: documents of the given lengths, then ``pad_tail`` padding tokens (-1)."""
+    ids = [i for i, n in enumerate(lengths) for _ in range(n)] + [-1] * pad_tail
+    assert len(ids) == seq_len, (len(ids), seq_len)
+    return torch.tensor(ids)
+
+
+def ring_docs(seq_len: int) -> torch.Tensor:
+    """Two rows: short documents with padding, and one long document spanning several chunks."""
+    first = ring_packed_docs(seq_len, [3, 5, 1, seq_len - 9 - 2], pad_tail=2)
+    second = ring_packed_docs(seq_len, [seq_len - 4, 4])
+    return torch.stack((first, second))
+
+
+def emulated_ring_qkv(b: int, s: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, RING_NH, RING_HD, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, s, RING_NKV, RING_HD, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, s, RING_NKV, RING_HD, generator=gen, dtype=torch.float64)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+
+
+def emulated_ring(
+    q, k, v, docs, *, cp_size: int, meta_override: dict | None = None, kernel: str = "sdpa"
+) -> torch.Tensor:
+    """Every rank's ring output, scattered back to global positions: [B, S, RING_NH, RING_HD]. kernel: sdpa = the dense
+    reference blocks (``ring_block_update``), tiled = the tiled op per step (``ring_kernel_step``)."""
+    b, s = docs.shape
+    scale = RING_HD**-0.5
+    out = torch.zeros_like(q)
+    for rank in range(cp_size):
+        meta = ring_attention_inputs(docs, cp_size=cp_size, cp_rank=rank)
+        if meta_override:
+            meta = dataclasses.replace(meta, **meta_override)
+        pos = shard_positions(s, cp_size=cp_size, cp_rank=rank, cp_type="ring")
+        q_local = q[:, pos].transpose(1, 2)
+        state = None
+        for step in range(cp_size):
+            src = (rank - step) % cp_size
+            src_pos = shard_positions(s, cp_size=cp_size, cp_rank=src, cp_type="ring")
+            if kernel != "sdpa":
+                state = ring_kernel_step(
+                    state,
+                    q[:, pos],
+                    k[:, src_pos],
+                    v[:, src_pos],
+                    q_doc=docs[:, pos],
+                    meta=meta,
+                    src=src,
+                    cp_rank=rank,
+                    cp_size=cp_size,
+                    scale=scale,
+                    kernel=kernel,
+                )
+                continue
+            state = ring_block_update(
+                state,
+                q_local,
+                k[:, src_pos].transpose(1, 2),
+                v[:, src_pos].transpose(1, 2),
+                q_doc=docs[:, pos],
+                meta=meta,
+                src=src,
+                cp_rank=rank,
+                cp_size=cp_size,
+                scale=scale,
+            )
+        local = (state[0] if kernel != "sdpa" else torch.cat((state[0], state[2]), dim=2)).transpose(1, 2)
+        out = out.index_put((torch.arange(b)[:, None], pos[None, :]), local)
+    return out
+
+
+def ring_reference(q, k, v, docs) -> torch.Tensor:
+    attn = AttentionInputs(document_ids=docs, cu_seqlens=torch.zeros(1), max_seqlen=0)
+    return packed_causal_attention(q, k, v, attn)

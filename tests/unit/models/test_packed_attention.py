@@ -20,6 +20,7 @@ from nemo_ac.models.common.attention import (
 from nemo_ac.models.common.flex_attention import flex_attention_available, flex_packed_attention
 from nemo_ac.models.common.packed_attention import DENSE_SPANS, TILE_AUTO, packed_attention, visible_tile_pairs
 from nemo_ac.models.common.packed_attention_spans import plan_spans
+from tests.factories import emulated_ring, emulated_ring_qkv, ring_docs, ring_reference
 
 
 def _row(lengths: list[int], pad: int = 0) -> torch.Tensor:
@@ -34,7 +35,7 @@ CASES = {
 }
 
 
-def _qkv(b: int, s: int, *, dtype: torch.dtype, nh: int = 4, nkv: int = 2, hd: int = 8, seed: int = 0):
+def ring_qkv(b: int, s: int, *, dtype: torch.dtype, nh: int = 4, nkv: int = 2, hd: int = 8, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return tuple(
         torch.randn(b, s, n, hd, generator=g, dtype=torch.float64).to(dtype).requires_grad_() for n in (nh, nkv, nkv)
@@ -54,7 +55,7 @@ def test_equals_the_dense_reference_outputs_and_gradients(case, tile, dtype, tol
     document, padding as equal-position pairs)."""
     monkeypatch.setattr(tiled, "DEFAULT_TILE", tile)
     docs = CASES[case]
-    q, k, v = _qkv(docs.shape[0], docs.shape[1], dtype=dtype)
+    q, k, v = ring_qkv(docs.shape[0], docs.shape[1], dtype=dtype)
     attn = build_attention_inputs(docs)
     ref = packed_causal_attention(q, k, v, attn)
     got = tiled_packed_attention(q, k, v, attn)
@@ -69,7 +70,7 @@ def test_rows_starting_mid_document_and_the_log_sum_exp_gradient(tile):
     the log-sum-exp as the ring merge has one: equal to the dense softmax over the same visible pairs. (The spans'
     backward hands this case, lse gradients with dO = 0, to the tiled loop; the next test has both.)"""
     docs = _row([20, 40, 20]).unsqueeze(0)
-    q, k, v = _qkv(1, 80, dtype=torch.float64)
+    q, k, v = ring_qkv(1, 80, dtype=torch.float64)
     qs, ks = slice(30, 70), slice(10, 50)  # queries 30..69 see keys 10..49 of their documents
     pos = torch.arange(80)
     out, lse = packed_attention(
@@ -100,7 +101,7 @@ def test_spans_equal_tiles_with_output_and_log_sum_exp_gradients(dtype):
     hold) with a loss on both outputs: the spans' backward folds grad_lse into the kernel's D and matches the tiled
     loop."""
     docs = _row([20, 40, 20]).unsqueeze(0)
-    q, k, v = _qkv(1, 80, dtype=dtype)
+    q, k, v = ring_qkv(1, 80, dtype=dtype)
     qs, ks = slice(30, 70), slice(10, 50)
     pos = torch.arange(80)
     ids = {"q_doc": docs[:, qs], "k_doc": docs[:, ks], "q_pos": pos[qs], "k_pos": pos[ks]}
@@ -143,14 +144,12 @@ def test_the_kernel_choice_follows_the_ids(monkeypatch):
 def test_the_ring_on_dense_spans_equals_the_reference(cp_size, monkeypatch):
     """Every ring step through the spans (head-tail chunks, keys before the queries, a block with nothing
     visible, padding), forward and backward through the log-sum-exp merge."""
-    from tests.unit.distributed.context_parallel.test_cp_ring import _docs, _emulated_ring, _qkv, _reference
-
     monkeypatch.setattr(tiled, "SPAN_MIN_RUN", 1)
     s = 8 * cp_size + 8 * cp_size // 2
-    docs = _docs(s)
-    q, k, v = _qkv(2, s, seed=cp_size)
-    ring = _emulated_ring(q, k, v, docs, cp_size=cp_size, kernel="tiled")
-    ref = _reference(q, k, v, docs)
+    docs = ring_docs(s)
+    q, k, v = emulated_ring_qkv(2, s, seed=cp_size)
+    ring = emulated_ring(q, k, v, docs, cp_size=cp_size, kernel="tiled")
+    ref = ring_reference(q, k, v, docs)
     torch.testing.assert_close(ring, ref, rtol=1e-12, atol=1e-12)
     grad = torch.randn_like(ref)
     for got, want in zip(
@@ -164,7 +163,7 @@ def test_bf16_spans_match_the_fp32_reference(docs):
     """bf16 through the fused kernel: outputs and gradients within bf16 round-off of the fp32 dense reference
     (relative to the norm, at most twice the error of SDPA's own bf16 with the dense mask)."""
     row = _row(docs).unsqueeze(0)
-    q, k, v = _qkv(1, row.shape[1], dtype=torch.float32, hd=64)
+    q, k, v = ring_qkv(1, row.shape[1], dtype=torch.float32, hd=64)
     attn = build_attention_inputs(row)
     ref = packed_causal_attention(q, k, v, attn)
     grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
@@ -197,7 +196,7 @@ class _LargestTensor(TorchDispatchMode):
 def test_no_tensor_grows_with_s_squared(lengths):
     s = 2048
     docs = _row(lengths).unsqueeze(0)
-    q, k, v = _qkv(1, s, dtype=torch.float32, nh=2, nkv=1, hd=16)
+    q, k, v = ring_qkv(1, s, dtype=torch.float32, nh=2, nkv=1, hd=16)
     ids = (docs, docs, torch.arange(s), torch.arange(s))
     with _LargestTensor() as mode:
         out, lse = tiled.tiled_attention_forward(q, k, v, *ids, scale=0.25)
@@ -232,7 +231,7 @@ def test_one_compiled_graph_across_document_layouts(fresh_dynamo):
         return tiled_packed_attention(q, k, v, attn)
 
     compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
-    q, k, v = _qkv(2, 88, dtype=torch.float32)
+    q, k, v = ring_qkv(2, 88, dtype=torch.float32)
     with torch.compiler.config.patch(dynamic_sources=dynamic_source_patterns()):
         for lengths in ([30, 58], [10, 20, 58], [88], [5, 5, 78]):
             attn = build_attention_inputs(_row(lengths).expand(2, 88).contiguous())
@@ -253,7 +252,7 @@ def test_selective_ac_saves_the_op_whole_and_the_recompute_never_reruns_it(monke
 
     monkeypatch.setattr(tiled, "packed_attention_forward", counting)
     docs = _row([30, 50]).unsqueeze(0)
-    q, k, v = _qkv(1, 80, dtype=torch.float32)
+    q, k, v = ring_qkv(1, 80, dtype=torch.float32)
     attn = build_attention_inputs(docs)
 
     def region(q, k, v):
@@ -274,7 +273,7 @@ def test_flex_forward_equals_the_reference_on_cpu(case):
     """FlexAttention's forward runs (unfused) on CPU: same outputs and log-sum-exp as the tiled op; its backward
     needs CUDA (benchmarks/gpu_check.sh runs it there)."""
     docs = CASES[case]
-    q, k, v = (t.detach() for t in _qkv(docs.shape[0], docs.shape[1], dtype=torch.float32))
+    q, k, v = (t.detach() for t in ring_qkv(docs.shape[0], docs.shape[1], dtype=torch.float32))
     pos = torch.arange(docs.shape[1])
     ids = {"q_doc": docs, "k_doc": docs, "q_pos": pos, "k_pos": pos}
     out, lse = flex_packed_attention(q, k, v, **ids)
@@ -289,7 +288,7 @@ def test_a_ring_block_with_nothing_visible_computes_nothing():
     from torch.utils.flop_counter import FlopCounterMode
 
     docs = _row([64, 64]).unsqueeze(0)
-    q, k, v = (t.detach() for t in _qkv(1, 128, dtype=torch.float32))
+    q, k, v = (t.detach() for t in ring_qkv(1, 128, dtype=torch.float32))
     pos = torch.arange(128)
     for keys in (slice(64, 128), slice(0, 64)):  # later positions; earlier positions of another document
         queries = slice(0, 64) if keys.start == 64 else slice(64, 128)

@@ -6,8 +6,6 @@ to ``ring_block_update`` directly in ring order, which is exactly what the op do
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -15,8 +13,6 @@ from nemo_ac.distributed.context_parallel.ring import (
     block_attention,
     block_mask,
     merge_partials,
-    ring_block_update,
-    ring_kernel_step,
 )
 from nemo_ac.distributed.context_parallel.sharding import (
     RingAttentionInputs,
@@ -24,101 +20,29 @@ from nemo_ac.distributed.context_parallel.sharding import (
     ring_attention_inputs,
     shard_positions,
 )
-from nemo_ac.models.common.attention import document_causal_mask, packed_causal_attention
-from nemo_ac.models.interfaces import AttentionInputs
-
-NH, NKV, HD = 4, 2, 8
-
-
-def _packed_docs(seq_len: int, lengths: list[int], *, pad_tail: int = 0) -> torch.Tensor:
-    """Document ids of one row: documents of the given lengths, then ``pad_tail`` padding tokens (-1)."""
-    ids = [i for i, n in enumerate(lengths) for _ in range(n)] + [-1] * pad_tail
-    assert len(ids) == seq_len, (len(ids), seq_len)
-    return torch.tensor(ids)
-
-
-def _docs(seq_len: int) -> torch.Tensor:
-    """Two rows: short documents with padding, and one long document spanning several chunks."""
-    first = _packed_docs(seq_len, [3, 5, 1, seq_len - 9 - 2], pad_tail=2)
-    second = _packed_docs(seq_len, [seq_len - 4, 4])
-    return torch.stack((first, second))
-
-
-def _qkv(b: int, s: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, s, NH, HD, generator=gen, dtype=torch.float64)
-    k = torch.randn(b, s, NKV, HD, generator=gen, dtype=torch.float64)
-    v = torch.randn(b, s, NKV, HD, generator=gen, dtype=torch.float64)
-    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-
-
-def _emulated_ring(
-    q, k, v, docs, *, cp_size: int, meta_override: dict | None = None, kernel: str = "sdpa"
-) -> torch.Tensor:
-    """Every rank's ring output, scattered back to global positions: [B, S, NH, HD]. kernel: sdpa = the dense
-    reference blocks (``ring_block_update``), tiled = the tiled op per step (``ring_kernel_step``)."""
-    b, s = docs.shape
-    scale = HD**-0.5
-    out = torch.zeros_like(q)
-    for rank in range(cp_size):
-        meta = ring_attention_inputs(docs, cp_size=cp_size, cp_rank=rank)
-        if meta_override:
-            meta = dataclasses.replace(meta, **meta_override)
-        pos = shard_positions(s, cp_size=cp_size, cp_rank=rank, cp_type="ring")
-        q_local = q[:, pos].transpose(1, 2)
-        state = None
-        for step in range(cp_size):
-            src = (rank - step) % cp_size
-            src_pos = shard_positions(s, cp_size=cp_size, cp_rank=src, cp_type="ring")
-            if kernel != "sdpa":
-                state = ring_kernel_step(
-                    state,
-                    q[:, pos],
-                    k[:, src_pos],
-                    v[:, src_pos],
-                    q_doc=docs[:, pos],
-                    meta=meta,
-                    src=src,
-                    cp_rank=rank,
-                    cp_size=cp_size,
-                    scale=scale,
-                    kernel=kernel,
-                )
-                continue
-            state = ring_block_update(
-                state,
-                q_local,
-                k[:, src_pos].transpose(1, 2),
-                v[:, src_pos].transpose(1, 2),
-                q_doc=docs[:, pos],
-                meta=meta,
-                src=src,
-                cp_rank=rank,
-                cp_size=cp_size,
-                scale=scale,
-            )
-        local = (state[0] if kernel != "sdpa" else torch.cat((state[0], state[2]), dim=2)).transpose(1, 2)
-        out = out.index_put((torch.arange(b)[:, None], pos[None, :]), local)
-    return out
-
-
-def _reference(q, k, v, docs) -> torch.Tensor:
-    attn = AttentionInputs(document_ids=docs, cu_seqlens=torch.zeros(1), max_seqlen=0)
-    return packed_causal_attention(q, k, v, attn)
+from nemo_ac.models.common.attention import document_causal_mask
+from tests.factories import (
+    RING_HD,
+    emulated_ring,
+    emulated_ring_qkv,
+    ring_docs,
+    ring_packed_docs,
+    ring_reference,
+)
 
 
 def test_block_attention_merge_equals_sdpa_including_fully_masked_rows() -> None:
     """Keys split into three blocks (one where some query rows see nothing) merge to exactly SDPA."""
     s = 14
-    docs = _packed_docs(s, [4, 6, 4]).unsqueeze(0)
-    q, k, v = _qkv(1, s)
+    docs = ring_packed_docs(s, [4, 6, 4]).unsqueeze(0)
+    q, k, v = emulated_ring_qkv(1, s)
     mask = document_causal_mask(docs)  # [1, 1, S, S]
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)))
     ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
     bounds = [(0, 5), (5, 9), (9, 14)]
     out = lse = None
     for lo, hi in [bounds[1], bounds[0], bounds[2]]:  # any block order: the merge is commutative
-        o, l_blk = block_attention(qh, kh[:, :, lo:hi], vh[:, :, lo:hi], mask[..., lo:hi], scale=HD**-0.5)
+        o, l_blk = block_attention(qh, kh[:, :, lo:hi], vh[:, :, lo:hi], mask[..., lo:hi], scale=RING_HD**-0.5)
         if lo == 9:
             assert torch.isinf(l_blk[0, 0, :9]).all() and (o[0, 0, :9] == 0).all()  # rows with no key in block
         # Rows 0..4 see nothing in the first block [5, 9): their lse is -inf until block [0, 5) is merged.
@@ -136,10 +60,10 @@ def test_block_attention_merge_equals_sdpa_including_fully_masked_rows() -> None
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_head_tail_ring_equals_full_packed_attention_forward_and_backward(cp_size: int, kernel: str) -> None:
     s = 8 * cp_size + 8 * cp_size // 2  # 24 or 48: chunks of 6; never a model dimension
-    docs = _docs(s)
-    q, k, v = _qkv(2, s, seed=cp_size)
-    ring = _emulated_ring(q, k, v, docs, cp_size=cp_size, kernel=kernel)
-    ref = _reference(q, k, v, docs)
+    docs = ring_docs(s)
+    q, k, v = emulated_ring_qkv(2, s, seed=cp_size)
+    ring = emulated_ring(q, k, v, docs, cp_size=cp_size, kernel=kernel)
+    ref = ring_reference(q, k, v, docs)
     torch.testing.assert_close(ring, ref, rtol=1e-12, atol=1e-12)
     grad = torch.randn_like(ref)
     got = torch.autograd.grad(ring, (q, k, v), grad, retain_graph=True)
@@ -158,16 +82,16 @@ def test_per_micro_batch_ints_are_real_inputs(override: dict, kernel: str) -> No
     """A wrong value of any ring int changes the output: the ints take part in the computation (which is why
     compile must keep them symbolic instead of ignoring them); the tiled kernel also skips work by them."""
     s = 24
-    docs = _docs(s)
-    q, k, v = _qkv(2, s, seed=7)
-    right = _emulated_ring(q, k, v, docs, cp_size=2, kernel=kernel)
-    wrong = _emulated_ring(q, k, v, docs, cp_size=2, meta_override=override, kernel=kernel)
+    docs = ring_docs(s)
+    q, k, v = emulated_ring_qkv(2, s, seed=7)
+    right = emulated_ring(q, k, v, docs, cp_size=2, kernel=kernel)
+    wrong = emulated_ring(q, k, v, docs, cp_size=2, meta_override=override, kernel=kernel)
     assert not torch.allclose(right, wrong)
 
 
 def test_ring_ints_match_brute_force_definitions() -> None:
     s, cp_size = 24, 2
-    docs = _docs(s)
+    docs = ring_docs(s)
     for rank in range(cp_size):
         meta = ring_attention_inputs(docs, cp_size=cp_size, cp_rank=rank)
         local = shard_positions(s, cp_size=cp_size, cp_rank=rank, cp_type="ring").tolist()
