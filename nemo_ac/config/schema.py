@@ -302,8 +302,9 @@ class CompileConfig:
     # observe the torch failure it prevents; docs/compile.md).
     forward_thread_context: bool = True
     # torch.compile(dynamic=): null = Dynamo's automatic dynamic shapes (static first compile, dynamic once a size
-    # changes); true = every input size symbolic from the first compile (one compile instead of two when
-    # data.fixed_length=false); false = always specialize (a recompile per distinct sequence length).
+    # changes; with data.fixed_length=false the plan marks the blocks' token dims dynamic from the first compile,
+    # so rows of varying length compile once); true = every input size symbolic from the first compile (weights'
+    # dims too); false = always specialize (a recompile per distinct sequence length).
     dynamic: bool | None = None
 
 

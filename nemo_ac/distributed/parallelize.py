@@ -14,6 +14,7 @@ from nemo_ac.config.schema import (
     ActivationCheckpointingConfig,
     BackendConfig,
     CompileConfig,
+    DataConfig,
     ModelConfig,
     ParallelConfig,
 )
@@ -37,6 +38,7 @@ def parallelize(
     activation_checkpointing: ActivationCheckpointingConfig,
     compile: CompileConfig,
     backend: BackendConfig,
+    data: DataConfig | None = None,
     kernels: KernelPlan | None = None,
 ) -> ParallelPlan:
     """Decide the plan for a meta-device model, apply it in place (weights are materialized afterwards), return it.
@@ -49,6 +51,7 @@ def parallelize(
         activation_checkpointing=activation_checkpointing,
         compile=compile,
         backend=backend,
+        data=data,
         kernels=kernels,
         ep=meshes.layout.ep,
         cp=meshes.layout.cp,

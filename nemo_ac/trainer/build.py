@@ -72,6 +72,7 @@ def plan_recipe(
         activation_checkpointing=recipe.activation_checkpointing,
         compile=recipe.compile,
         backend=recipe.backend,
+        data=recipe.data,
         kernels=kernels,
         ep=layout.ep,
         cp=layout.cp,
@@ -97,6 +98,7 @@ def build_parallel_model(
         activation_checkpointing=recipe.activation_checkpointing,
         compile=recipe.compile,
         backend=recipe.backend,
+        data=recipe.data,
         kernels=kernels,
     )
     return model, meshes, plan

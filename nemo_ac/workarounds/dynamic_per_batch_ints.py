@@ -32,12 +32,27 @@ one) without an error. Why not ``mark_dynamic``: it raises when a dim specialize
 row count that happens to equal a weight dim. Why not a source name: the frame after a graph-broken call holds
 the call's result as ``___stack0``, a name every resume frame uses.
 
+When rows vary in length per micro batch (synthetic ``data.fixed_length=false``), every token dim of a compiled
+block's inputs changes between steps, and under automatic dynamic (``compile.dynamic: null``) each compiled block
+was first compiled with the row length static and recompiled at the first other length (tiny Nemotron, rows of 64
+then 40 tokens; with 80-token rows the guard had read ``shape[1] == 80`` in ``MoE.forward``)::
+
+    tensor 'hidden' size mismatch at index 1. expected 64, actual 40
+
+``mark_row_dims`` marks them where the block is entered eagerly (``distributed.compile.apply``): the hidden states'
+and rope tables' dims but the feature dim, and every dim of the integer tensors beside them (document ids, positions,
+the full rows' document ids of CP), inside the attention-metadata dataclasses too. Ints and 1-d tensors are left to
+``DYNAMIC_INT_ARGS``. Also ``maybe_mark_dynamic``: a row length equal to a model dim is not an error (static dims
+are no symbols, so duck sizing does not tie them; a tensor's other marked dim could be, which only ties two row
+lengths), and a dim Dynamo must specialize shows up as a recompile in the compile summary instead.
+
 Upstream: none; this is how Dynamo is meant to be told. Delete when: never as such; a name listed here that the
 model stops passing can go.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,6 +91,11 @@ DYNAMIC_INT_ARGS: tuple[DynamicArg, ...] = (
     DynamicArg("local_order", 0, "EP (EPDispatchContext): received rows in local-expert order, one per row"),
     DynamicArg("send_splits", None, "EP (EPDispatchContext): rows sent to each EP rank", items=True),
     DynamicArg("recv_splits", None, "EP (EPDispatchContext): rows received from each EP rank", items=True),
+    # The MoE's input shape, kept across the graph break at its nested FSDP units for the output's view: static ints
+    # in the frame after the experts call would specialize the row length (``tensor 'flat' size mismatch at index
+    # 0. expected 128, actual 80`` with rows of 64 then 40 tokens). ``view_as(x)`` instead trips torch 2.13's
+    # ``AssertionError: sources must not be empty for symbol s27`` (x's sizes symbolic, x not in the graph).
+    DynamicArg("token_shape", None, "MoE.forward (models.common.moe): [B, S, H] of its input", items=True),
 )
 
 
@@ -97,9 +117,51 @@ def merge_dynamic_sources(current: str, extra: str) -> str:
 
 
 def mark_token_dims(tree: Any) -> None:
-    """Mark every dim but the last (the feature dim) of each tensor in ``tree`` (args, kwargs, outputs) dynamic for
-    the next compiled frame that takes it; parameters and 1-d tensors (per-expert counts) are left alone."""
+    """Mark every dim but the last (the feature dim) of each tensor in ``tree`` (args, kwargs, outputs) and of a
+    view's base dynamic for the next compiled frame that takes it; parameters and 1-d tensors (per-expert counts)
+    are left alone."""
     for leaf in pytree.tree_leaves(tree):
-        if isinstance(leaf, torch.Tensor) and not isinstance(leaf, torch.nn.Parameter) and leaf.dim() >= 2:
-            for dim in range(leaf.dim() - 1):
-                torch._dynamo.maybe_mark_dynamic(leaf, dim)
+        if isinstance(leaf, torch.Tensor) and not isinstance(leaf, torch.nn.Parameter):
+            for tensor in _with_base(leaf):
+                for dim in range(tensor.dim() - 1 if tensor.dim() >= 2 else 0):
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def mark_row_dims(tree: Any) -> None:
+    """Mark the token dims of every tensor in ``tree`` (a block's args and kwargs) dynamic for the compiled frame
+    it enters: floating tensors of 2+ dims all dims but the last (features: hidden states, rope tables), integer
+    tensors of 2+ dims every dim (document ids, positions). Descends into tuples, lists, dicts and dataclass
+    instances (``AttentionInputs`` and CP's metadata are no pytrees); parameters and 1-d tensors are left alone."""
+    for leaf in _tensors(tree, depth=0):
+        if isinstance(leaf, torch.nn.Parameter):
+            continue
+        for tensor in _with_base(leaf):
+            if tensor.dim() < 2:
+                continue
+            last = tensor.dim() if not (tensor.is_floating_point() or tensor.is_complex()) else tensor.dim() - 1
+            for dim in range(last):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def _with_base(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensor and, for a view, its base: a frame that takes a view (the block's ``hidden`` after a graph
+    break) rebuilds it from ``L['hidden']._base``, whose dims compile static unless the base is marked too
+    (``tensor 'hidden' size mismatch at index 1. expected 64, actual 40`` with only the view marked)."""
+    base = tensor._base
+    return (tensor,) if base is None else (tensor, base)
+
+
+def _tensors(tree: Any, *, depth: int) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if depth > 4:  # block inputs nest two or three deep (kwargs -> AttentionInputs -> CP metadata)
+        return []
+    if isinstance(tree, (tuple, list)):
+        children: Sequence[Any] = tree
+    elif isinstance(tree, dict):
+        children = list(tree.values())
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        children = [getattr(tree, f.name) for f in dataclasses.fields(tree)]
+    else:
+        return []
+    return [leaf for child in children for leaf in _tensors(child, depth=depth + 1)]

@@ -7,6 +7,8 @@ Dynamo's reason is ``tensor '...' size mismatch at index N``, which the compile 
 ``dynamic_recompiles``. Each recipe runs with its own parallel layout (EP, CP, AC mode, nested FSDP units), on 2
 ranks (the MedPix recipe's EP2 x CP2 with ep over the cp ranks), with backend ``aot_eager``: Dynamo's
 frames and guards and AOTAutograd's joint graphs are those of inductor, without inductor's minutes of codegen.
+The synthetic recipe runs with rows whose length varies per step (``data.fixed_length=false``); the other recipes'
+data kinds (text, medpix) pack every row to a fixed length.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ RECIPES = {
     "tiny/nemotron_super_v3_tiny.yaml": (2, []),  # EP2, three block layouts (Mamba-2, MoE, attention)
     # CP2 (ulysses), full AC, a dense and a MoE layout (offload is not allowed with compile)
     "tiny/glm_4_5_air_tiny.yaml": (2, ["activation_checkpointing.offload=false"]),
-    "tiny/qwen3_moe_tiny.yaml": (2, []),  # packed documents of varying lengths (the per-batch ints)
+    # packed documents of varying lengths (the per-batch ints) in rows of varying length (48..96 tokens, one of them
+    # 64 = hidden_size): the plan marks the blocks' token dims dynamic from the first compile
+    "tiny/qwen3_moe_tiny.yaml": (2, ["data.fixed_length=false"]),
 }
 
 

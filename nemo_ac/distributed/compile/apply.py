@@ -31,6 +31,7 @@ from nemo_ac.distributed.compile.boundaries import mark_unit_boundaries
 from nemo_ac.distributed.compile.settings import CompileSettings, use_compile_settings
 from nemo_ac.distributed.plan import CompileLayout, CompilePlan, ParallelPlan
 from nemo_ac.workarounds.compiled_regions_under_sac import ac_outer_compile_kwargs
+from nemo_ac.workarounds.dynamic_per_batch_ints import mark_row_dims
 
 
 def _supports_region_recompile_limit() -> bool:
@@ -123,6 +124,7 @@ def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> list[CompiledBlock
             torch.compile(target.forward, **region_kwargs),
             layout_key=layout_key,
             before_first_call=functools.partial(mark_unit_boundaries, inner, block_plan),
+            dynamic_rows=plan.compile.dynamic_rows,
         )
         outer.forward = _scoped(outer.forward, settings)
         report.append(
@@ -145,7 +147,12 @@ def block_structure(module: nn.Module, *, layout: CompileLayout) -> tuple[Any, .
 
 class _CompiledForward:
     """A compiled bound forward, recognizable (a second apply_compile on the same block is an error); each call
-    runs under its block's layout key for the compile accounting."""
+    runs under its block's layout key for the compile accounting.
+
+    ``dynamic_rows`` (``CompilePlan.dynamic_rows``: rows vary in length): each eager call marks the token dims of
+    its inputs dynamic (``workarounds.dynamic_per_batch_ints.mark_row_dims``) before the compiled frame sees them,
+    so the block's first compile is dynamic in the row length rather than static and recompiled at the next one.
+    The mark is per tensor, and the hidden states are a new tensor at every block, hence every call."""
 
     def __init__(
         self,
@@ -153,10 +160,12 @@ class _CompiledForward:
         *,
         layout_key: str,
         before_first_call: Callable[[], Any] | None = None,
+        dynamic_rows: bool = False,
     ) -> None:
         self.compiled = compiled
         self.layout_key = layout_key
         self.before_first_call = before_first_call  # after fully_shard: boundaries.mark_unit_boundaries
+        self.dynamic_rows = dynamic_rows
         functools.update_wrapper(self, compiled)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -165,6 +174,8 @@ class _CompiledForward:
         if self.before_first_call is not None:
             self.before_first_call, pending = None, self.before_first_call
             pending()
+        if self.dynamic_rows:
+            mark_row_dims((args, kwargs))
         with compiling_layout(self.layout_key):
             return self.compiled(*args, **kwargs)
 

@@ -17,6 +17,7 @@ from nemo_ac.config.schema import (
     ActivationCheckpointingConfig,
     BackendConfig,
     CompileConfig,
+    DataConfig,
     ModelConfig,
     ParallelConfig,
 )
@@ -238,6 +239,7 @@ def decide_plan(
     activation_checkpointing: ActivationCheckpointingConfig | None = None,
     compile: CompileConfig | None = None,
     backend: BackendConfig | None = None,
+    data: DataConfig | None = None,
     kernels: KernelPlan | None = None,
     ep: int = 1,
     cp: int = 1,
@@ -247,7 +249,8 @@ def decide_plan(
     """The plan for ``model`` (on the meta device, nothing applied yet); ``ConfigError`` for a layout that cannot
     work, listing every rule broken.
 
-    A section left out is its schema default (``model_config``: the model's own ``config``); ``ep`` / ``cp`` are the
+    A section left out is its schema default (``model_config``: the model's own ``config``; ``data``: whether rows
+    vary in length, for the compiled blocks' dynamic token dims); ``ep`` / ``cp`` are the
     mesh sizes; ``kernels``: the run's ``KernelPlan`` (the one the model was built with); left out, resolved here
     from ``backend`` for ``device_type``. ``torch_version`` decides the workaround gates as if that torch ran.
     """
@@ -256,6 +259,7 @@ def decide_plan(
     ac = activation_checkpointing if activation_checkpointing is not None else ActivationCheckpointingConfig()
     compile = compile if compile is not None else CompileConfig()
     backend = backend if backend is not None else BackendConfig()
+    data = data if data is not None else DataConfig()
     if kernels is None:
         kernels = resolve_kernels(
             model=model_config,
@@ -277,7 +281,7 @@ def decide_plan(
         kernels=kernels,
         selective=selective_plan(ac),
         fsdp=fsdp_plan(parallel),
-        compile=compile_plan(compile),
+        compile=compile_plan(compile, data=data),
         workarounds=run_workarounds(
             blocks,
             compile_backend=compile.backend if compile.enabled else None,
@@ -345,7 +349,16 @@ def fsdp_plan(parallel: ParallelConfig) -> FSDPPlan:
     )
 
 
-def compile_plan(compile: CompileConfig) -> CompilePlan | None:
+def rows_vary(data: DataConfig) -> bool:
+    """Whether row lengths change between micro batches: synthetic rows with ``fixed_length`` false (every other
+    kind packs or pads each row to a fixed length: ``seq_len``, medpix's ``max_length``)."""
+    return data.kind == "synthetic" and not data.fixed_length
+
+
+def compile_plan(compile: CompileConfig, *, data: DataConfig) -> CompilePlan | None:
+    """The compile values of the run. Token dims are marked dynamic at each block's entry when rows vary and
+    ``compile.dynamic`` is null (automatic dynamic, which would compile static first and recompile at the next
+    length); ``true`` makes every size dynamic already and ``false`` asks for a graph per length."""
     if not compile.enabled:
         return None
     return CompilePlan(
@@ -355,6 +368,7 @@ def compile_plan(compile: CompileConfig) -> CompilePlan | None:
         recompile_limit=compile.recompile_limit,
         capture_scalar_outputs=compile.capture_scalar_outputs,
         dynamic_ints=compile.dynamic_ints,
+        dynamic_rows=compile.dynamic is None and rows_vary(data),
     )
 
 

@@ -104,6 +104,10 @@ class CompilePlan:
     recompile_limit: int
     capture_scalar_outputs: bool
     dynamic_ints: bool  # workarounds.dynamic_per_batch_ints
+    # Rows vary in length per micro batch (data.fixed_length=false) under automatic dynamic (dynamic null): each
+    # compiled block marks the token dims of its inputs dynamic at its eager entry, so the first compile is already
+    # dynamic in them instead of static first and recompiled at the first other length (``apply._CompiledForward``).
+    dynamic_rows: bool = False
 
 
 @dataclass(frozen=True)

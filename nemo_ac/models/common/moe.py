@@ -129,7 +129,7 @@ class MoE(nn.Module):
         return shared
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
-        shape = x.shape
+        token_shape = x.shape  # a per-batch size under compile: workarounds.dynamic_per_batch_ints names it
         flat = x.reshape(-1, self.hidden_size)
         top_scores, top_idx, probs = self.gate(flat)
         rows, tokens_per_expert, ctx = self.dispatcher.dispatch(
@@ -145,4 +145,4 @@ class MoE(nn.Module):
             prob_sum=probs.sum(dim=0),
             num_tokens=flat.shape[0],
         )
-        return out.view(shape), stats
+        return out.view(token_shape), stats
