@@ -98,8 +98,7 @@ def run(
             f"params {sum(p.numel() for p in model.parameters()):,} ({setup.weights})"
             + "".join(f" | frozen {group} {count:,}" for group, count in setup.frozen.items() if count)
         )
-        echo(plan.kernels.summary_line())
-        echo("\n".join(plan.summary_lines()))
+        echo("\n".join(plan.summary_lines()))  # the kernels line first
         echo(throughput_line(throughput))
     checkpointer = Checkpointer(
         config=recipe.checkpoint, total_steps=recipe.train.steps, recipe=to_dict(recipe), device=env.device

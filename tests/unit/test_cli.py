@@ -28,7 +28,9 @@ def test_validate_plan_prints_the_plan_of_the_flagship_without_a_gpu(capsys):
     """The Nemotron recipe at 64 ranks: every TE block is AC(compile(block)), with its graph breaks named."""
     assert main(["validate", str(RECIPES / "nemotron_super_v3_te_deepep.yaml"), "--world-size", "64", "--plan"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].startswith("plan | ep 64 (deepep)") and "backend.linear te | backend.rms_norm te" in lines[1]
+    assert lines[1].startswith("kernels | experts grouped_mm") and "mamba torch" in lines[1]  # no linear_attention
+    assert "linear_attention" not in lines[1]
+    assert lines[2].startswith("plan | ep 64 (deepep)") and "backend.linear te | backend.rms_norm te" in lines[2]
     blocks = [line for line in lines if "model.layers." in line]
     assert len(blocks) == 3 and all("compile ac_outer (graph breaks at te.Linear x" in line for line in blocks)
     assert sum(int(line.split(") |")[0].rsplit("(", 1)[1]) for line in blocks) == 88

@@ -16,6 +16,7 @@ from a module (``getattr(experts, "impl", "?")``) prints ``?`` for a model that 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
@@ -70,11 +71,28 @@ class KernelPlan:
             if chosen.value == "te"
         )
 
-    def summary_line(self) -> str:
-        """The run's start-up ``kernels | ...`` line."""
-        return "kernels | " + " | ".join(
-            f"{field.name} {getattr(self, field.name).describe()}" for field in dataclasses.fields(self)
-        )
+    def slots_used(self, *, mixers: Collection[str], moe: bool) -> tuple[str, ...]:
+        """The slots (field names) a model with these sequence-mixer kinds (``SequenceMixer.mixer_kind``) and, if
+        ``moe``, a routed MoE runs, in field order: a mixer's kernel only where that mixer is, the experts and the
+        dispatcher only with a MoE; the TE-swappable modules (``linear``, ``rms_norm``) are in every model."""
+        used = {"linear", "rms_norm"} | {MIXER_SLOTS[kind] for kind in mixers if kind in MIXER_SLOTS}
+        if moe:
+            used |= {"experts", "dispatcher"}
+        return tuple(field.name for field in dataclasses.fields(self) if field.name in used)
+
+    def summary_line(self, slots: Collection[str] | None = None) -> str:
+        """The ``kernels | ...`` line the run prints at start: the ``slots`` given (``slots_used``; the plan passes
+        the model's), or every slot."""
+        names = [field.name for field in dataclasses.fields(self)]
+        unknown = set(slots or ()) - set(names)
+        if unknown:
+            raise ValueError(f"no KernelPlan slot {sorted(unknown)}; slots are {names}")
+        shown = [name for name in names if slots is None or name in slots]
+        return "kernels | " + " | ".join(f"{name} {getattr(self, name).describe()}" for name in shown)
+
+
+# SequenceMixer.mixer_kind -> the KernelPlan slot that runs its core.
+MIXER_SLOTS = {"softmax_attention": "attention", "linear_attention": "linear_attention", "ssm": "mamba"}
 
 
 def choose_experts_impl(

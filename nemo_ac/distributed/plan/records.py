@@ -144,13 +144,22 @@ class ParallelPlan:
     def compile_layouts(self) -> list[CompileLayout | None]:
         return [b.compile_layout for b in self.decoder_blocks()]
 
+    def kernels_line(self) -> str:
+        """The ``kernels | ...`` line with only the slots this model uses (``KernelPlan.slots_used`` over the
+        blocks' mixer kinds and MoE): no Mamba-2 kernel for a model without Mamba-2 layers."""
+        mixers = {kind for block in self.blocks for kind in block.mixers}
+        slots = self.kernels.slots_used(mixers=mixers, moe=any(block.moe for block in self.blocks))
+        return self.kernels.summary_line(slots)
+
     def summary_lines(self) -> list[str]:
-        """The run's start-up print: the layout, one line per distinct block plan, the workarounds."""
+        """The run's start-up print (also ``nemo-ac validate --plan`` and ``nemo-ac plan``): the kernels the model
+        uses, the layout, one line per distinct block plan, the workarounds."""
         lines = [
+            self.kernels_line(),
             f"plan | ep {self.ep} ({self.kernels.dispatcher.value}) | cp {self.cp}"
             + (f" ({self.cp_type})" if self.cp > 1 else "")
             + f" | fsdp {self.fsdp.param_dtype}/{self.fsdp.reduce_dtype} prefetch fwd {self.fsdp.forward_prefetch} "
-            f"bwd {self.fsdp.backward_prefetch}" + "".join(f" | {key} te" for key in self.kernels.te_keys())
+            f"bwd {self.fsdp.backward_prefetch}" + "".join(f" | {key} te" for key in self.kernels.te_keys()),
         ]
         groups: dict[str, list[BlockPlan]] = {}
         for block in self.blocks:

@@ -38,6 +38,8 @@ def _plan(recipe_path, overrides=(), *, world_size: int, torch_version: str | No
 def test_make_run_plan_prints_one_line_per_distinct_block_plan():
     lines = _plan(MAKE_RUN, world_size=4, torch_version="2.13.0").summary_lines()
     assert lines == [
+        "kernels | experts grouped_mm (auto: cpu float32) | attention tiled (auto: cpu) | linear_attention torch "
+        "(auto: cpu) | linear torch (set) | rms_norm torch (set) | dispatcher torch (set)",
         "plan | ep 2 (torch) | cp 2 (ulysses) | fsdp float32/float32 prefetch fwd none bwd default",
         "plan | model.visual.blocks.[0] (1) | no mixer | dense | AC selective | eager | fully_shard(AC(block))",
         "plan | model.language_model.layers.[0] (1) | linear_attention | moe | own FSDP units: router, experts | "
@@ -49,6 +51,33 @@ def test_make_run_plan_prints_one_line_per_distinct_block_plan():
         "plan | workarounds: profiler_ops_in_sac, fsdp_hooks_in_sac, forward_thread_compile_config, "
         "compiled_regions_under_sac, dynamic_per_batch_ints",
     ]
+
+
+def test_the_kernels_line_lists_only_the_slots_the_model_uses():
+    """A kernel slot prints where the model has its block kind: no Mamba-2 or linear-attention kernel for GLM, no
+    linear attention for Nemotron-H, no mamba for Qwen3.5; the KernelPlan itself still holds every slot."""
+    slots = {}
+    for name in ("glm_4_5_air_tiny", "nemotron_super_v3_tiny", "qwen3_6_medpix_tiny"):
+        plan = _plan(RECIPES / "tiny" / f"{name}.yaml", world_size=4 if "medpix" in name else 2)
+        first = plan.summary_lines()[0]
+        assert first == plan.kernels_line() and first.startswith("kernels | "), first
+        slots[name] = [part.split(" ", 1)[0] for part in first.split(" | ")[1:]]
+        assert plan.kernels.summary_line().count(" | ") == 7  # every slot when asked for all
+    moe_and_modules = ["experts", "attention", "linear", "rms_norm", "dispatcher"]
+    assert slots["glm_4_5_air_tiny"] == moe_and_modules
+    assert slots["nemotron_super_v3_tiny"] == ["experts", "attention", "mamba", "linear", "rms_norm", "dispatcher"]
+    assert slots["qwen3_6_medpix_tiny"] == [
+        "experts",
+        "attention",
+        "linear_attention",
+        "linear",
+        "rms_norm",
+        "dispatcher",
+    ]
+    dense = plan.kernels.slots_used(mixers={"softmax_attention"}, moe=False)
+    assert dense == ("attention", "linear", "rms_norm")
+    with pytest.raises(ValueError, match="no KernelPlan slot"):
+        plan.kernels.summary_line(["ssm"])  # a mixer kind is no slot name
 
 
 def test_equal_blocks_share_a_line_and_dense_blocks_get_no_nested_units():
@@ -86,9 +115,10 @@ def test_workarounds_follow_the_gates_and_the_layout():
 def test_ring_over_recurrent_mixers_is_planned_as_state_passing():
     """Gated DeltaNet (and Mamba-2) layers take ring CP (state passing) beside the attention layers' K/V ring."""
     lines = _plan(MAKE_RUN, ["parallel.cp_type=ring"], world_size=4, torch_version="2.13.0").summary_lines()
-    assert lines[0].startswith("plan | ep 2 (torch) | cp 2 (ring) |")
-    assert "| linear_attention torch, state-passing ring cp2 |" in lines[2]
-    assert "| attention tiled, ring cp2 |" in lines[3]
+    assert "| linear_attention torch (auto: ring CP passes the torch op's state) |" in lines[0]
+    assert lines[1].startswith("plan | ep 2 (torch) | cp 2 (ring) |")
+    assert "| linear_attention torch, state-passing ring cp2 |" in lines[3]
+    assert "| attention tiled, ring cp2 |" in lines[4]
 
 
 def test_a_mixer_kind_without_a_cp_op_fails_in_the_plan_before_anything_is_applied():
@@ -112,7 +142,7 @@ def test_kernels_are_decided_once_and_the_model_is_built_with_them():
     kernels = recipe_kernels(recipe, device_type="cpu")
     assert kernels.experts == Chosen("grouped_mm", "auto: cpu float32")
     assert kernels.attention == Chosen("tiled", "auto: cpu")
-    assert kernels.summary_line().startswith(
+    assert kernels.summary_line().startswith(  # every slot: the plan's kernels_line picks the model's
         "kernels | experts grouped_mm (auto: cpu float32) | attention tiled (auto: cpu) | "
         "linear_attention torch (auto: cpu) | mamba torch (auto: cpu) | linear torch (set)"
     )
