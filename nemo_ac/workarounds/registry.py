@@ -130,7 +130,8 @@ FAILURES: tuple[Workaround, ...] = (
         title="per-micro-batch ints (document lengths, ring CP offsets) specialized by Dynamo",
         error="torch._dynamo hit config.recompile_limit (8), then the block runs eagerly (silent)",
         applied="compile settings of every compiled block (compile.dynamic_ints); token dims at nested FSDP unit "
-        "calls (distributed.compile.boundaries)",
+        "calls (distributed.compile.boundaries) and, when rows vary in length (CompilePlan.dynamic_rows), at each "
+        "compiled block's entry (distributed.compile.apply)",
         compat="",
         upstream=(),
         delete_when="never as such: it is how Dynamo is told; drop names the model no longer passes (doctor: "

@@ -132,9 +132,26 @@ def _segment_sum(x: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~lower, -torch.inf)
 
 
+def _pad_always() -> bool:
+    """Under torch.compile the chunk padding is unconditional (a pad of 0 where S is a multiple of the chunk): a
+    branch on ``S % chunk`` would be a guard on the row length, and rows whose length varies per micro batch would
+    compile a second graph for the other kind (``((16 + (-1)*(args[0].size()[1] % 16)) % 16) == 0  # if pad:``)."""
+    return torch.compiler.is_compiling()
+
+
+def _clamped_positions(s: int, pad: int, device: torch.device) -> torch.Tensor:
+    """0 .. s-1, then s-1 repeated ``pad`` times: a row padded by repeating its last position."""
+    return torch.arange(s + pad, device=device).clamp(max=s - 1)
+
+
 def _chunks(t: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:
-    """[B, S, ...] -> [B, S/chunk, chunk, ...] after zero-padding S."""
-    if pad:
+    """[B, S, ...] -> [B, S/chunk, chunk, ...] after zero-padding S (compiled: always, ``_pad_always``, as a gather
+    and a mask: no tensor of the pad's own length, whose size 0 would be guarded on)."""
+    if _pad_always():
+        s = t.shape[1]
+        keep = torch.arange(s + pad, device=t.device) < s
+        t = t.index_select(1, _clamped_positions(s, pad, t.device)) * keep.view(1, -1, *([1] * (t.dim() - 2)))
+    elif pad:
         t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
     return t.reshape(t.shape[0], -1, chunk, *t.shape[2:])
 
@@ -173,7 +190,9 @@ def ssd_chunk_scan(
     x = x * dt[..., None]
     a = params.A.to(acc) * dt
     x, a, B, C = (_chunks(t, pad, chunk) for t in (x, a, B, C))
-    if pad:  # padded tail positions continue the last segment (their x, B, C are zero)
+    if _pad_always():  # padded tail positions continue the last segment (their x, B, C are zero)
+        segments = segments.index_select(1, _clamped_positions(s, pad, segments.device))
+    elif pad:
         segments = torch.cat([segments, segments[:, -1:].expand(b, pad)], dim=1)
     seg = segments.reshape(b, -1, chunk)  # [b, c, l]
 
@@ -206,7 +225,11 @@ def ssd_chunk_scan(
     state_decay_out = torch.exp(a_cumsum) * reads[:, None]
     y_off = torch.einsum("bclhn,bchpn->bclhp", C, states) * state_decay_out.permute(0, 2, 3, 1)[..., None]
 
-    y = (y_diag + y_off).reshape(b, -1, nh, hd)[:, :s] + d_residual
+    y = (y_diag + y_off).reshape(b, -1, nh, hd)
+    # Compiled, a gather of the first s rows rather than a slice: the slice's contiguity (padded length == s) would
+    # be guarded on, as ``if pad`` would be.
+    y = y.index_select(1, torch.arange(s, device=y.device)) if _pad_always() else y[:, :s]
+    y = y + d_residual
     return (y, final) if output_final_state else y
 
 

@@ -95,3 +95,39 @@ def test_ssd_final_state_is_the_last_segments_recurrence() -> None:
             write = (x[row, t] * step[row, t, :, None])[:, :, None] * B[row, t, 0][None, None, :]
             state = decay * state + write
         torch.testing.assert_close(final[row], state, rtol=0, atol=1e-12)
+
+
+def test_ssd_compiled_padding_path_matches_the_eager_one(monkeypatch) -> None:
+    """Compiled, the chunk padding is a gather and a mask applied to every row length (no ``if pad`` guard on the
+    row length, ``mamba2._pad_always``); run eagerly here, it gives the same output and final state as the
+    padding by ``F.pad``, for a row that needs padding (37 = 7 chunks of 5 + 2) and one that does not (35)."""
+    from nemo_ac.models.common import mamba2
+
+    gen = torch.Generator().manual_seed(2)
+    nh, hd, n = 2, 3, 4
+    params = Mamba2CoreParams(
+        conv_x_weight=torch.empty(nh, hd, 4),
+        conv_x_bias=None,
+        conv_b_weight=torch.empty(1, n, 4),
+        conv_b_bias=None,
+        conv_c_weight=torch.empty(1, n, 4),
+        conv_c_bias=None,
+        A=-torch.tensor([0.3, 1.2], dtype=torch.float64),
+        D=torch.tensor([0.5, -1.0], dtype=torch.float64),
+        dt_bias=torch.zeros(nh, dtype=torch.float64),
+        chunk_size=5,
+    )
+    for s in (S, 35):
+        args = (
+            torch.randn(2, s, nh, hd, generator=gen, dtype=torch.float64),
+            torch.randn(2, s, nh, generator=gen, dtype=torch.float64),
+            torch.randn(2, s, 1, n, generator=gen, dtype=torch.float64),
+            torch.randn(2, s, 1, n, generator=gen, dtype=torch.float64),
+        )
+        segments = segment_ids(_docs()[:, :s])
+        monkeypatch.setattr(mamba2, "_pad_always", lambda: False)
+        y_ref, final_ref = ssd_chunk_scan(*args, params, segments, output_final_state=True)
+        monkeypatch.setattr(mamba2, "_pad_always", lambda: True)
+        y, final = ssd_chunk_scan(*args, params, segments, output_final_state=True)
+        torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(final, final_ref, rtol=0, atol=1e-12)
