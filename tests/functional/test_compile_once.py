@@ -29,8 +29,8 @@ RECIPES = {
     "tiny/nemotron_super_v3_tiny.yaml": (2, []),  # EP2, three block layouts (Mamba-2, MoE, attention)
     # CP2 (ulysses), full AC, a dense and a MoE layout (offload is not allowed with compile)
     "tiny/glm_4_5_air_tiny.yaml": (2, ["activation_checkpointing.offload=false"]),
-    # packed documents of varying lengths (the per-batch ints) in rows of varying length (48..96 tokens, one of them
-    # 64 = hidden_size): the plan marks the blocks' token dims dynamic from the first compile
+    # packed documents of varying lengths (the per-batch ints) in rows of varying length (80, 48, 80, 72 tokens in
+    # the 4 steps): the plan marks the blocks' token dims dynamic from the first compile
     "tiny/qwen3_moe_tiny.yaml": (2, ["data.fixed_length=false"]),
 }
 
