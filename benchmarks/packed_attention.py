@@ -286,16 +286,8 @@ def compare(
     attn = build_attention_inputs(docs)
     q, k, v = (t.detach().to(DTYPES[dtype]).requires_grad_() for t in _qkv(length, *dataclasses.astuple(shape), seed=1))
     pos = torch.arange(length)
-    plan = packed_attention_module.span_plan(
-        q,
-        docs,
-        docs,
-        pos,
-        pos,
-        tile=packed_attention_module.DEFAULT_TILE,
-        min_k_pos=0,
-        max_back=attn.max_seqlen,
-    )
+    ids = packed_attention_module.PackedIds(q_doc=docs, k_doc=docs, q_pos=pos, k_pos=pos, max_back=attn.max_seqlen)
+    plan = packed_attention_module.span_plan(q, ids, tile=packed_attention_module.DEFAULT_TILE)
     row = {"S": length, "layout": layout, "dtype": dtype, "kernel": "spans" if plan is not None else "tiles"}
     extents = torch.unique_consecutive(docs[0], return_counts=True)[1]
     visible_gflop = float((extents * (extents + 1) // 2).sum()) * shape.heads * shape.head_dim * 14 / 1e9

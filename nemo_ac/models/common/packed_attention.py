@@ -40,6 +40,7 @@ from nemo_ac.models.common import packed_attention_spans as spans
 from nemo_ac.models.common.op_flops import register_op_flops
 from nemo_ac.models.common.packed_attention_flops import (
     UNBOUNDED,
+    PackedIds,
     packed_attention_backward_flops,
     packed_attention_flops,
     visible_pairs,
@@ -59,6 +60,7 @@ from nemo_ac.models.common.packed_attention_tiles import (
 __all__ = [
     "CHUNK_ELEMENTS",
     "UNBOUNDED",
+    "PackedIds",
     "_Tiled",
     "_pair_mask",
     "choose_tile",
@@ -84,91 +86,44 @@ SPAN_MIN_RUN = 64
 # the kernel choice: dense spans or tiles
 
 
-def span_plan(
-    q: torch.Tensor,
-    q_doc: torch.Tensor,
-    k_doc: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    *,
-    tile: int,
-    min_k_pos: int,
-    max_back: int,
-) -> spans.SpanPlan | None:
+def span_plan(q: torch.Tensor, ids: PackedIds, *, tile: int) -> spans.SpanPlan | None:
     """The dense spans of this call, or None for the tiled loop: a positive ``tile`` forces tiles; the fused kernel
     is torch's CPU one; under ``TILE_AUTO`` the query runs must average ``SPAN_MIN_RUN`` positions."""
-    if tile > 0 or q.device.type != "cpu" or q.shape[1] == 0 or k_doc.shape[1] == 0:
+    if tile > 0 or q.device.type != "cpu" or q.shape[1] == 0 or ids.k_doc.shape[1] == 0:
         return None
-    plan = spans.plan_spans(q_doc, k_doc, q_pos, k_pos, min_k_pos=min_k_pos, max_back=max_back)
-    if plan is None or (tile == TILE_AUTO and plan.mean_query_run(q_doc.numel()) < SPAN_MIN_RUN):
+    plan = spans.plan_spans(ids)
+    if plan is None or (tile == TILE_AUTO and plan.mean_query_run(ids.q_doc.numel()) < SPAN_MIN_RUN):
         return None
     return plan
 
 
 def packed_attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_doc: torch.Tensor,
-    k_doc: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    *,
-    scale: float,
-    tile: int,
-    min_k_pos: int,
-    max_back: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: PackedIds, *, scale: float, tile: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's forward: the dense spans where ``span_plan`` allows them, else the tiled loop."""
-    plan = span_plan(q, q_doc, k_doc, q_pos, k_pos, tile=tile, min_k_pos=min_k_pos, max_back=max_back)
+    plan = span_plan(q, ids, tile=tile)
     if plan is not None:
         return spans.spans_forward(q, k, v, plan, scale=scale)
-    return tiled_attention_forward(
-        q, k, v, q_doc, k_doc, q_pos, k_pos, scale=scale, tile=tile, min_k_pos=min_k_pos, max_back=max_back
-    )
+    return tiled_attention_forward(q, k, v, ids, scale=scale, tile=tile)
 
 
 def packed_attention_backward(
-    grad_out: torch.Tensor,
-    grad_lse: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_doc: torch.Tensor,
-    k_doc: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor],
+    saved: tuple[torch.Tensor, ...],
+    ids: PackedIds,
     *,
     scale: float,
     tile: int,
-    min_k_pos: int,
-    max_back: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The op's backward, same choice as the forward (both kernels read the same saved output and log-sum-exp)."""
-    plan = span_plan(q, q_doc, k_doc, q_pos, k_pos, tile=tile, min_k_pos=min_k_pos, max_back=max_back)
+    """The op's backward, same choice as the forward (both kernels read the same saved output and log-sum-exp):
+    ``grads`` = (grad_out, grad_lse), ``saved`` = (q, k, v, out, lse)."""
+    (grad_out, grad_lse), (q, k, v, out, lse) = grads, saved
+    plan = span_plan(q, ids, tile=tile)
     if plan is not None:
-        grads = spans.spans_backward(grad_out, grad_lse, q, k, v, out, lse, plan, scale=scale)
-        if grads is not None:
-            return tuple(g.contiguous() for g in grads)
-    return tiled_attention_backward(
-        grad_out,
-        q,
-        k,
-        v,
-        q_doc,
-        k_doc,
-        q_pos,
-        k_pos,
-        out,
-        lse,
-        scale=scale,
-        tile=tile,
-        min_k_pos=min_k_pos,
-        max_back=max_back,
-        grad_lse=grad_lse,
-    )
+        result = spans.spans_backward(grad_out, grad_lse, q, k, v, out, lse, plan, scale=scale)
+        if result is not None:
+            return tuple(g.contiguous() for g in result)
+    return tiled_attention_backward(grad_out, q, k, v, out, lse, ids, scale=scale, tile=tile, grad_lse=grad_lse)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -190,9 +145,8 @@ def packed_attention_op(
     max_back: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Sq, h, d], lse [B, h, Sq])`` in fp32 (or wider); see the module docstring."""
-    return packed_attention_forward(
-        q, k, v, q_doc, k_doc, q_pos, k_pos, scale=scale, tile=tile, min_k_pos=min_k_pos, max_back=max_back
-    )
+    ids = PackedIds(q_doc=q_doc, k_doc=k_doc, q_pos=q_pos, k_pos=k_pos, min_k_pos=min_k_pos, max_back=max_back)
+    return packed_attention_forward(q, k, v, ids, scale=scale, tile=tile)
 
 
 @packed_attention_op.register_fake
@@ -220,23 +174,8 @@ def packed_attention_backward_op(
     min_k_pos: int,
     max_back: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return packed_attention_backward(
-        grad_out,
-        grad_lse,
-        q,
-        k,
-        v,
-        q_doc,
-        k_doc,
-        q_pos,
-        k_pos,
-        out,
-        lse,
-        scale=scale,
-        tile=tile,
-        min_k_pos=min_k_pos,
-        max_back=max_back,
-    )
+    ids = PackedIds(q_doc=q_doc, k_doc=k_doc, q_pos=q_pos, k_pos=k_pos, min_k_pos=min_k_pos, max_back=max_back)
+    return packed_attention_backward((grad_out, grad_lse), (q, k, v, out, lse), ids, scale=scale, tile=tile)
 
 
 @packed_attention_backward_op.register_fake

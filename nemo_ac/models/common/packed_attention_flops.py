@@ -3,17 +3,35 @@
 pairs (dense document spans or tiles), and the exact pair count they rest on.
 
 Kept apart from the op so the count never depends on how the op computes: a kernel that computes a masked tile or a
-whole causal block still counts only the pairs the mask lets attend.
+whole causal block still counts only the pairs the mask lets attend. ``PackedIds`` (the ids and window of one call,
+what decides which pairs are visible) lives here too: both kernels and the op's Python side take it whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
 
 UNBOUNDED = 2**62  # max_back without a bound
 _POS_SPAN = 2**41  # > any position (the op's own key padding is 2**40); doc * span + pos orders by (doc, pos)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedIds:
+    """What decides which (query, key) pairs of one ``packed_attention`` call are visible: document ids ``q_doc``
+    [B, Sq] / ``k_doc`` [B, Sk] (-1 = padding), global positions ``q_pos`` / ``k_pos`` ([Sq] / [Sk] or per row) and
+    the window (``min_k_pos <= k_pos``, ``q_pos - k_pos < max_back``). The op's schema stays flat (a custom op takes
+    tensors and scalars); its Python side, the dense spans and the tiled loop pass this one value instead of six
+    arguments each."""
+
+    q_doc: torch.Tensor
+    k_doc: torch.Tensor
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    min_k_pos: int = 0
+    max_back: int = UNBOUNDED
 
 
 def _as_rows(pos: torch.Tensor, rows: int, length: int) -> torch.Tensor:

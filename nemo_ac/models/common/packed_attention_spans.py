@@ -33,6 +33,8 @@ import dataclasses
 
 import torch
 
+from nemo_ac.models.common.packed_attention_flops import PackedIds
+
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -114,17 +116,11 @@ def _row_blocks(
     return blocks
 
 
-def plan_spans(
-    q_doc: torch.Tensor,
-    k_doc: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    *,
-    min_k_pos: int,
-    max_back: int,
-) -> SpanPlan | None:
+def plan_spans(ids: PackedIds) -> SpanPlan | None:
     """The dense blocks of ``packed_attention``'s exact mask (same document, causal, ``min_k_pos`` and ``max_back``;
     or equal positions), or None where blocks cannot express it. One host copy of the ids."""
+    q_doc, k_doc, q_pos, k_pos = ids.q_doc, ids.k_doc, ids.q_pos, ids.k_pos
+    min_k_pos, max_back = ids.min_k_pos, ids.max_back
     b, sq = q_doc.shape
     sk = k_doc.shape[1]
     if max_back < 1:

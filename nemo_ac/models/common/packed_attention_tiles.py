@@ -14,9 +14,11 @@ dense spans (``packed_attention_spans``) are tested against.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
-from nemo_ac.models.common.packed_attention_flops import UNBOUNDED
+from nemo_ac.models.common.packed_attention_flops import UNBOUNDED, PackedIds
 
 # Scores of at most this many query-key elements per head exist at a time (one chunk of tile pairs):
 # x heads x 4 bytes, e.g. 1 MiB per head.
@@ -93,33 +95,24 @@ def _pair_mask(
 
 class _Tiled:
     """q / k / v / ids cut into tiles: q [NQ, hkv, g*T, d] (a K/V head's g query heads stacked as rows),
-    k / v [NK, hkv, T, d], ids [N, T]."""
+    k / v [NK, hkv, T, d], ids [N, T]; the forward and the backward walk its visible tile pairs with ``chunks``.
+    ``tile`` None or <= 0: ``choose_tile`` from the window."""
 
-    def __init__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        q_doc: torch.Tensor,
-        k_doc: torch.Tensor,
-        q_pos: torch.Tensor,
-        k_pos: torch.Tensor,
-        tile: int,
-        min_k_pos: int = 0,
-        max_back: int = UNBOUNDED,
-    ) -> None:
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: PackedIds, *, tile: int | None) -> None:
+        tile = choose_tile(ids.max_back) if tile is None or tile <= 0 else tile
         b, sq, h, d = q.shape
-        self.min_k_pos, self.max_back = min_k_pos, max_back
+        self.min_k_pos, self.max_back = ids.min_k_pos, ids.max_back
         sk, hkv = k.shape[1], k.shape[2]
         if h % hkv:
             raise ValueError(f"{h} query heads are not a multiple of {hkv} key/value heads")
         self.b, self.sq, self.sk, self.h, self.hkv, self.d, self.g, self.tile = b, sq, sk, h, hkv, d, h // hkv, tile
+        self.acc, self.rows = _acc_dtype(q.dtype), self.g * tile
         self.nq, self.nk = _tiles(sq, tile), _tiles(sk, tile)
         sq_pad, sk_pad = self.nq * tile, self.nk * tile
-        self.q_doc = _padded(q_doc.to(torch.int64), sq_pad, _Q_PAD_DOC)
-        self.k_doc = _padded(k_doc.to(torch.int64), sk_pad, _K_PAD_DOC)
-        self.q_pos = _padded(q_pos.to(torch.int64).expand(b, sq), sq_pad, _Q_PAD_POS)
-        self.k_pos = _padded(k_pos.to(torch.int64).expand(b, sk), sk_pad, _K_PAD_POS)
+        self.q_doc = _padded(ids.q_doc.to(torch.int64), sq_pad, _Q_PAD_DOC)
+        self.k_doc = _padded(ids.k_doc.to(torch.int64), sk_pad, _K_PAD_DOC)
+        self.q_pos = _padded(ids.q_pos.to(torch.int64).expand(b, sq), sq_pad, _Q_PAD_POS)
+        self.k_pos = _padded(ids.k_pos.to(torch.int64).expand(b, sk), sk_pad, _K_PAD_POS)
         self.q = self.tile_queries(q)
         self.k = self.tile_keys(k)
         self.v = self.tile_keys(v)
@@ -168,6 +161,21 @@ class _Tiled:
             max_back=self.max_back,
         )
 
+    def chunks(
+        self, *, scale: float, pairs_per_chunk: int | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor]]:
+        """The visible tile pairs, at most ``pairs_per_chunk`` at a time (default ``CHUNK_ELEMENTS`` scores per
+        head): ``(qi, ki, lo, hi, scores)`` with every qi in ``[lo, hi)`` and the chunk's scores (``scores``).
+        Pairs are sorted by query tile, so a chunk touches one contiguous range of query tiles; the range comes
+        from one host copy of the pairs, not a device sync per chunk."""
+        pairs = self.pairs()
+        size = pairs_per_chunk or max(1, CHUNK_ELEMENTS // (self.tile * self.tile))
+        host = pairs[:, 0].cpu()
+        for start in range(0, pairs.shape[0], size):
+            stop = min(start + size, pairs.shape[0])
+            qi, ki = pairs[start:stop, 0], pairs[start:stop, 1]
+            yield qi, ki, int(host[start]), int(host[stop - 1]) + 1, self.scores(qi, ki, scale=scale, dtype=self.acc)
+
     def scores(self, qi: torch.Tensor, ki: torch.Tensor, *, scale: float, dtype: torch.dtype) -> torch.Tensor:
         """[P, hkv, g*T, T] scaled scores of the pairs in ``dtype``, -inf where the exact mask hides a pair (the
         forward and the backward's recompute compute them alike)."""
@@ -185,34 +193,14 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _pairs_per_chunk(tile: int) -> int:
-    return max(1, CHUNK_ELEMENTS // (tile * tile))
-
-
-def _chunks(pairs: torch.Tensor, size: int):
-    """Chunks of at most ``size`` pairs: ``(qi, ki, lo, hi)`` with every qi in ``[lo, hi)`` (pairs are sorted by query
-    tile, so a chunk touches one contiguous range of query tiles; the range comes from one host copy of the pairs,
-    not a device sync per chunk)."""
-    host = pairs[:, 0].cpu()
-    for start in range(0, pairs.shape[0], size):
-        stop = min(start + size, pairs.shape[0])
-        chunk = pairs[start:stop]
-        yield chunk[:, 0], chunk[:, 1], int(host[start]), int(host[stop - 1]) + 1
-
-
 def tiled_attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_doc: torch.Tensor,
-    k_doc: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
+    ids: PackedIds,
     *,
     scale: float,
     tile: int | None = None,
-    min_k_pos: int = 0,
-    max_back: int = UNBOUNDED,
     pairs_per_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's forward in plain torch: ``(out [B, Sq, h, d], lse [B, h, Sq])``, both in fp32 (or wider, for fp64
@@ -220,15 +208,12 @@ def tiled_attention_forward(
 
     A query row with no visible key (possible in a ring step) gets out 0 and lse -inf.
     """
-    tile = choose_tile(max_back) if tile is None or tile <= 0 else tile
-    t = _Tiled(q, k, v, q_doc, k_doc, q_pos, k_pos, tile, min_k_pos, max_back)
-    acc = _acc_dtype(q.dtype)
-    rows = t.g * tile
+    t = _Tiled(q, k, v, ids, tile=tile)
+    acc, rows = t.acc, t.rows
     m_run = torch.full((t.b * t.nq, t.hkv, rows), float("-inf"), dtype=acc, device=q.device)
     l_run = torch.zeros_like(m_run)
     o_run = torch.zeros((t.b * t.nq, t.hkv, rows, t.d), dtype=acc, device=q.device)
-    for qi, ki, lo, hi in _chunks(t.pairs(), pairs_per_chunk or _pairs_per_chunk(tile)):
-        scores = t.scores(qi, ki, scale=scale, dtype=acc)
+    for qi, ki, lo, hi, scores in t.chunks(scale=scale, pairs_per_chunk=pairs_per_chunk):
         local = qi - lo  # the chunk's query tiles within [lo, hi): only those accumulators are touched
         index = local[:, None, None].expand(-1, t.hkv, rows)
         m_old = m_run[lo:hi]
@@ -254,17 +239,12 @@ def tiled_attention_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_doc: torch.Tensor,
-    k_doc: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    ids: PackedIds,
     *,
     scale: float,
     tile: int | None = None,
-    min_k_pos: int = 0,
-    max_back: int = UNBOUNDED,
     pairs_per_chunk: int | None = None,
     grad_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -273,10 +253,8 @@ def tiled_attention_backward(
     ``grad_lse`` (the ring merge differentiates through the log-sum-exp): d lse / d s = softmax, so it adds
     ``probs * grad_lse`` to d scores.
     """
-    tile = choose_tile(max_back) if tile is None or tile <= 0 else tile
-    t = _Tiled(q, k, v, q_doc, k_doc, q_pos, k_pos, tile, min_k_pos, max_back)
-    acc = _acc_dtype(q.dtype)
-    rows = t.g * tile
+    t = _Tiled(q, k, v, ids, tile=tile)
+    acc, rows = t.acc, t.rows
     do = t.tile_queries(grad_out.to(acc))
     o = t.tile_queries(out.to(acc))
     lse_t = t.tile_queries(lse.transpose(1, 2).unsqueeze(-1).to(acc)).squeeze(-1)  # [NQ, hkv, rows]
@@ -285,11 +263,10 @@ def tiled_attention_backward(
         delta = delta - t.tile_queries(grad_lse.transpose(1, 2).unsqueeze(-1).to(acc)).squeeze(-1)
     lse_safe = torch.where(torch.isfinite(lse_t), lse_t, torch.full_like(lse_t, float("inf")))
     dq = torch.zeros((t.b * t.nq, t.hkv, rows, t.d), dtype=acc, device=q.device)
-    dk = torch.zeros((t.b * t.nk, t.hkv, tile, t.d), dtype=acc, device=q.device)
+    dk = torch.zeros((t.b * t.nk, t.hkv, t.tile, t.d), dtype=acc, device=q.device)
     dv = torch.zeros_like(dk)
     qa, ka, va = t.q.to(acc), t.k.to(acc), t.v.to(acc)
-    for qi, ki, _, _ in _chunks(t.pairs(), pairs_per_chunk or _pairs_per_chunk(tile)):
-        scores = t.scores(qi, ki, scale=scale, dtype=acc)
+    for qi, ki, _, _, scores in t.chunks(scale=scale, pairs_per_chunk=pairs_per_chunk):
         probs = torch.exp(scores - lse_safe[qi].unsqueeze(-1))  # rows without keys: exp(-inf) = 0
         dv.index_add_(0, ki, torch.matmul(probs.transpose(-1, -2), do[qi]))
         dprobs = torch.matmul(do[qi], va[ki].transpose(-1, -2))

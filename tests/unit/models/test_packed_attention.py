@@ -18,7 +18,13 @@ from nemo_ac.models.common.attention import (
     tiled_packed_attention,
 )
 from nemo_ac.models.common.flex_attention import flex_attention_available, flex_packed_attention
-from nemo_ac.models.common.packed_attention import DENSE_SPANS, TILE_AUTO, packed_attention, visible_tile_pairs
+from nemo_ac.models.common.packed_attention import (
+    DENSE_SPANS,
+    TILE_AUTO,
+    PackedIds,
+    packed_attention,
+    visible_tile_pairs,
+)
 from nemo_ac.models.common.packed_attention_spans import plan_spans
 from tests.factories import emulated_ring, emulated_ring_qkv, ring_docs, ring_reference
 
@@ -105,7 +111,7 @@ def test_spans_equal_tiles_with_output_and_log_sum_exp_gradients(dtype):
     qs, ks = slice(30, 70), slice(10, 50)
     pos = torch.arange(80)
     ids = {"q_doc": docs[:, qs], "k_doc": docs[:, ks], "q_pos": pos[qs], "k_pos": pos[ks]}
-    plan = plan_spans(*ids.values(), min_k_pos=0, max_back=tiled.UNBOUNDED)
+    plan = plan_spans(PackedIds(**ids))
     assert [(b.causal, b.k1 - b.k0) for b in plan.blocks] == [(False, 10), (True, 20)]
     results = []
     for tile in (DENSE_SPANS, 16):
@@ -127,7 +133,9 @@ def test_the_kernel_choice_follows_the_ids(monkeypatch):
     pos = torch.arange(256)
 
     def plan(docs, tile=TILE_AUTO, *, q_pos=pos, max_back=256):
-        return tiled.span_plan(q, docs, docs, q_pos, q_pos, tile=tile, min_k_pos=0, max_back=max_back)
+        return tiled.span_plan(
+            q, PackedIds(q_doc=docs, k_doc=docs, q_pos=q_pos, k_pos=q_pos, max_back=max_back), tile=tile
+        )
 
     long_docs = _row([100, 156]).unsqueeze(0)
     assert [(b.q0, b.q1, b.causal) for b in plan(long_docs).blocks] == [(0, 100, True), (100, 256, True)]
@@ -197,13 +205,13 @@ def test_no_tensor_grows_with_s_squared(lengths):
     s = 2048
     docs = _row(lengths).unsqueeze(0)
     q, k, v = ring_qkv(1, s, dtype=torch.float32, nh=2, nkv=1, hd=16)
-    ids = (docs, docs, torch.arange(s), torch.arange(s))
+    ids = PackedIds(q_doc=docs, k_doc=docs, q_pos=torch.arange(s), k_pos=torch.arange(s))
     with _LargestTensor() as mode:
-        out, lse = tiled.tiled_attention_forward(q, k, v, *ids, scale=0.25)
-        tiled.tiled_attention_backward(torch.ones_like(out), q, k, v, *ids, out, lse, scale=0.25)
+        out, lse = tiled.tiled_attention_forward(q, k, v, ids, scale=0.25)
+        tiled.tiled_attention_backward(torch.ones_like(out), q, k, v, out, lse, ids, scale=0.25)
     assert mode.largest < s * s // 4, mode.largest  # forward and backward
     with _LargestTensor() as spans:  # the op's own choice: dense spans (the fused kernel tiles internally)
-        out, _ = packed_attention(q, k, v, q_doc=docs, k_doc=docs, q_pos=ids[2], k_pos=ids[3], max_back=s)
+        out, _ = packed_attention(q, k, v, q_doc=docs, k_doc=docs, q_pos=ids.q_pos, k_pos=ids.k_pos, max_back=s)
         out.sum().backward()
     assert 0 < spans.largest < s * s // 4, spans.largest
     with _LargestTensor() as dense:
@@ -293,15 +301,7 @@ def test_a_ring_block_with_nothing_visible_computes_nothing():
     for keys in (slice(64, 128), slice(0, 64)):  # later positions; earlier positions of another document
         queries = slice(0, 64) if keys.start == 64 else slice(64, 128)
         with FlopCounterMode(display=False) as flops:
-            out, lse = tiled.tiled_attention_forward(
-                q[:, queries],
-                k[:, keys],
-                v[:, keys],
-                docs[:, queries],
-                docs[:, keys],
-                pos[queries],
-                pos[keys],
-                scale=0.125,
-            )
+            ids = PackedIds(q_doc=docs[:, queries], k_doc=docs[:, keys], q_pos=pos[queries], k_pos=pos[keys])
+            out, lse = tiled.tiled_attention_forward(q[:, queries], k[:, keys], v[:, keys], ids, scale=0.125)
         assert flops.get_total_flops() == 0
         assert (out == 0).all() and torch.isinf(lse).all()
