@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--dense-gib", type=float, default=2.0, help="largest dense [S, S] state actually run")
     parser.add_argument("--merge", nargs="+", default=None, help="JSONs of --table sdpa runs to write as one table")
     parser.add_argument("--out", default=None, help="JSON path (default: results/packed_attention[_modes].json)")
+    parser.add_argument("--note", default=None, help="a line under the title, e.g. how loaded the machine was")
     args = parser.parse_args()
     lengths = [2048, 4096, 8192] if args.quick else args.lengths
     packed_attention_module.DEFAULT_TILE = args.tile
@@ -169,12 +170,14 @@ def main() -> None:
         f"heads {args.heads}, kv heads {args.kv_heads}, head_dim {args.head_dim}, batch 1, tile {args.tile} "
         f"(0: chosen per call), {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
-    write_json(out, payload={"shape": shape_line, "rows": rows}, table=table, wall_s=time.time() - started)
+    payload = {"shape": shape_line, "rows": rows, **({"note": args.note} if args.note else {})}
+    write_json(out, payload=payload, table=table, wall_s=time.time() - started)
     title = {"sdpa": "vs SDPA", "modes": "per CP rank", "crossover": "kernels: spans vs tiles"}[args.table]
     runs = [json.loads(Path(path).read_text()).get("command", path) for path in args.merge or ()]
     sources = "".join(f"- `{command}`\n" for command in runs)
     sources = f"Rows of these runs (interleaved medians, min-max over repeats):\n\n{sources}\n" if runs else ""
-    out.with_suffix(".md").write_text(f"# Packed attention {title}, {shape_line}\n\n{sources}{table}\n")
+    note = f"{args.note}\n\n" if args.note else ""
+    out.with_suffix(".md").write_text(f"# Packed attention {title}, {shape_line}\n\n{note}{sources}{table}\n")
 
 
 if __name__ == "__main__":
