@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from nemo_ac.config import ConfigError, RecipeConfig, to_dict, to_yaml
 from nemo_ac.config.validate import ParallelLayout
+from nemo_ac.diagnostics.compile_caches import CompileCacheCounts, per_rank_report, per_rank_summary
 from nemo_ac.diagnostics.compile_progress import CompileProgress
 from nemo_ac.diagnostics.recompiles import CompileAccounting
 from nemo_ac.distributed.env import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env
@@ -86,8 +87,13 @@ def run(
         if plan.compile is not None
         else None
     )
+    # Inductor's FX graph cache hits / misses per rank: which ranks compiled each graph and which loaded it.
+    cache_counts = CompileCacheCounts() if plan.compile is not None and plan.compile.backend == "inductor" else None
     if compile_accounting is not None and env.is_main:
-        echo(f"compile | {plan.compile.backend} | layouts: {', '.join(map(str, plan.compile_layouts()))}")
+        echo(
+            f"compile | {plan.compile.backend} | layouts: {', '.join(map(str, plan.compile_layouts()))}"
+            + (" | one compile per graph per node (compile.node_shared_cache)" if plan.compile.node_shared() else "")
+        )
     throughput = measure_throughput_basis(recipe, layout, env)  # every rank: the CPU probe runs under contention
     if env.is_main:
         Path(recipe.logging.run_dir).mkdir(parents=True, exist_ok=True)
@@ -177,10 +183,15 @@ def run(
     if compile_accounting is not None:
         compile_accounting.close()
         summary_extra.update(compile_accounting.summary())
+    per_rank_caches = gather_per_rank(cache_counts.counts()) if cache_counts is not None else None
+    if per_rank_caches is not None:
+        summary_extra.update(per_rank_summary(per_rank_caches))
     stop.enter("the run's summary")
     logger.summary(summary_extra or None)
     if compile_accounting is not None and env.is_main:
         echo(compile_accounting.report())
+    if per_rank_caches is not None and env.is_main:
+        echo(per_rank_report(per_rank_caches))
     if stop.received:  # during the last step or after it: the run completed; its last step is saved as usual
         saved = (
             "checkpoint.enabled=false" if not recipe.checkpoint.enabled else step_dir(checkpointer.root, trainer.step)
@@ -188,6 +199,15 @@ def run(
         line = f"nemo_ac: {signal_name(stop.received)} after the last step began: the run completed ({saved}); exiting"
         stop.finish(line if env.is_main else None, write=lambda text: echo(text, file=sys.stderr))
     return history
+
+
+def gather_per_rank(value: dict[str, int]) -> list[dict[str, int]]:
+    """``value`` of every rank, by rank (every rank calls it; without a process group: this rank's alone)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [value]
+    gathered: list[dict[str, int]] = [{} for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
 
 
 def measure_throughput_basis(recipe: RecipeConfig, layout: ParallelLayout, env: DistEnv) -> Throughput:

@@ -306,6 +306,10 @@ class CompileConfig:
     # so rows of varying length compile once); true = every input size symbolic from the first compile (weights'
     # dims too); false = always specialize (a recompile per distinct sequence length).
     dynamic: bool | None = None
+    # backend inductor: one compile per graph per node. Each graph's compile holds a file lock in inductor's cache
+    # dir (TORCHINDUCTOR_CACHE_DIR, shared by a node's ranks): the first rank compiles, the others wait and load its
+    # artifacts from the cache instead of compiling the same graph at the same time (docs/compile.md).
+    node_shared_cache: bool = True
 
 
 @dataclass

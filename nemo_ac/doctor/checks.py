@@ -10,11 +10,15 @@ Dynamo), and either returns what it saw or raises. Cheap: all of them together r
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import os
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from nemo_ac.doctor.isolation import fresh_dynamo, private_sac_ignored_ops
 from nemo_ac.workarounds import dynamo_compile_events as events
 from nemo_ac.workarounds import fake_world
+from nemo_ac.workarounds import node_shared_compile as node_shared
 from nemo_ac.workarounds.autograd_inside_op import autograd_inside_op
 from nemo_ac.workarounds.dynamo_disable_marker import is_dynamo_disabled
 from nemo_ac.workarounds.dynamo_settings import dynamo_setting, dynamo_settings_patched
@@ -183,6 +188,36 @@ def check_fake_world() -> Facts:
     return facts
 
 
+def check_node_shared_compile() -> Facts:
+    """inductor's entry points take the arguments the backend passes, the cache dir resolves, a held node lock
+    excludes a second holder (another open file, as another rank's), and the cache counters read."""
+    if not node_shared.available():
+        raise AssertionError("torch._inductor.compile_fx.compile_fx no longer takes inner_compile / config_patches")
+    cache = node_shared.inductor_cache_dir()
+    with tempfile.TemporaryDirectory() as directory:
+        with node_shared.node_lock("doctor", directory=Path(directory)):
+            with node_shared.node_lock("doctor", directory=Path(directory)):  # re-entrant on this thread
+                pass
+            excluded = not _lock_free(Path(directory) / node_shared.LOCK_DIR / "doctor.lock")
+        free_after = _lock_free(Path(directory) / node_shared.LOCK_DIR / "doctor.lock")
+    if not (excluded and free_after):
+        raise AssertionError(f"flock does not exclude a second holder here (held: {excluded}, freed: {free_after})")
+    if node_shared.NodeSharedInductor({"a": 1}) != node_shared.NodeSharedInductor({"a": 1}):
+        raise AssertionError("equal backends compare unequal: every block would compile its own graph")
+    return {"cache_dir": str(cache), "counters": node_shared.compile_cache_counts()}
+
+
+def _lock_free(path: Path) -> bool:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
 def check_mem_tracker_global_peak() -> Facts:
     """The private method the tracker overrides and the private state it reads are where it expects them."""
     missing = mem_tracker_internals_missing()
@@ -210,6 +245,7 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("dynamo_disable_marker", "torch.compiler.disable's marker", check_dynamo_disable_marker),
     CheckSpec("partitioner_op_list", "the partitioner's compute-intensive ops", check_partitioner_op_list),
     CheckSpec("fake_world", "fake tensors, graph-task id, groups by name", check_fake_world),
+    CheckSpec("node_shared_compile", "inductor compiles under a node lock, cache counters", check_node_shared_compile),
     CheckSpec("mem_tracker_global_peak", "the memory tracker's peak update and state", check_mem_tracker_global_peak),
 )
 

@@ -258,6 +258,21 @@ TECHNIQUES: tuple[Workaround, ...] = (
         kind="technique",
     ),
     Workaround(
+        name="node_shared_compile",
+        title="one inductor compile per graph per node (the node's other ranks load it from the cache)",
+        error="torch._inductor.compile_fx.compile_fx (its inner_compile and config_patches arguments), "
+        "compile_fx_inner, torch._inductor.runtime.cache_dir_utils.cache_dir and the fxgraph_cache_hit / "
+        "fxgraph_cache_miss counters",
+        applied="the torch.compile backend of every compiled block with backend inductor (distributed.compile.apply, "
+        "compile.node_shared_cache); the compile summary's per-rank cache line (diagnostics.compile_caches)",
+        compat="",
+        upstream=(),
+        delete_when="inductor serializes identical concurrent compiles on a node itself, or Dynamo shares one rank's "
+        "compile with the node's other ranks",
+        gated=False,
+        kind="technique",
+    ),
+    Workaround(
         name="mem_tracker_global_peak",
         title="FSDPMemTracker keeping only the global peak (per-op cost grew with every module seen)",
         error="MemTracker._update_peak_stats (overridden) and the tracker's _curr_mem_snap, _peak_mem, "

@@ -1,6 +1,7 @@
 """torch.compile (inductor) through the trainer: both layouts in one 2-rank launch, packed variable-length data,
-backward on a worker thread (the GPU autograd thread's situation); no compile after step 2 on any thread, and the
-losses of the eager run.
+backward on a worker thread (the GPU autograd thread's situation); no compile after step 2 on any thread, the
+losses of the eager run, and each graph compiled by one rank and loaded by the other (``compile.node_shared_cache``,
+on a fresh inductor cache).
 
 One compiled launch covers both layouts: with ``model.first_k_dense_replace=1`` ``compile.layout: auto`` compiles the
 dense block 0 as compile(AC(block)) and the MoE block 1, whose experts are a nested FSDP unit, as AC(compile(block)).
@@ -34,6 +35,7 @@ def test_compiled_layouts_never_compile_after_step_2_on_any_thread_and_match_eag
         nproc=2,
         run_dir=tmp_path / "compiled",
         overrides=[*COMMON, "compile.enabled=true", "compile.backend=inductor", "compile.dynamic=true"],
+        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")},  # cold: every graph is compiled on this node
     ).check()
 
     assert "compile | inductor | layouts: compile_outer, ac_outer" in compiled.output
@@ -52,5 +54,16 @@ def test_compiled_layouts_never_compile_after_step_2_on_any_thread_and_match_eag
 
     assert compiled.summary["compiles_fwd"] == step2["compiles_fwd"]
     assert "compile | fwd thread:" in compiled.output
+
+    # compile.node_shared_cache: each graph is compiled by one rank (an FX graph cache miss) and loaded by the other
+    # (a hit). Without the node lock both ranks compile every graph: misses [11, 11], hits [0, 0].
+    misses, hits = compiled.summary["fxgraph_misses_per_rank"], compiled.summary["fxgraph_hits_per_rank"]
+    graphs = misses[0] + hits[0]
+    assert graphs >= 4 and misses[1] + hits[1] == graphs, (misses, hits)  # forward and backward of both blocks
+    assert sum(misses) == graphs and sum(hits) == graphs, f"a graph compiled on both ranks: {misses=} {hits=}"
+    assert (
+        "one compile per graph per node" in compiled.output
+        and "inductor FX graph cache over 2 ranks" in compiled.output
+    )
     assert_close_rel(compiled.losses, eager.losses, rel=2e-5)
     assert_close_rel([m["grad_norm"] for m in compiled.metrics], [m["grad_norm"] for m in eager.metrics], rel=2e-4)

@@ -32,6 +32,7 @@ from nemo_ac.distributed.compile.settings import CompileSettings, use_compile_se
 from nemo_ac.distributed.plan import CompileLayout, CompilePlan, ParallelPlan
 from nemo_ac.workarounds.compiled_regions_under_sac import ac_outer_compile_kwargs
 from nemo_ac.workarounds.dynamic_per_batch_ints import mark_row_dims
+from nemo_ac.workarounds.node_shared_compile import node_shared_compile_kwargs
 
 
 def _supports_region_recompile_limit() -> bool:
@@ -119,6 +120,8 @@ def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> list[CompiledBlock
             raise RuntimeError(f"{block_plan.path} is already compiled")
         entry = _code_key(target.forward) if target is not inner else None
         region_kwargs = ac_outer_compile_kwargs(kwargs) if target is inner and inner is not outer else kwargs
+        if plan.compile.node_shared():  # after the inductor options are set: the backend carries them
+            region_kwargs = node_shared_compile_kwargs(region_kwargs)
         layout_key = layout_keys.setdefault(block_structure(target, layout=layout), f"block {index} ({layout})")
         target.forward = _CompiledForward(
             torch.compile(target.forward, **region_kwargs),

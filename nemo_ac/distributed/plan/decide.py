@@ -369,6 +369,7 @@ def compile_plan(compile: CompileConfig, *, data: DataConfig) -> CompilePlan | N
         capture_scalar_outputs=compile.capture_scalar_outputs,
         dynamic_ints=compile.dynamic_ints,
         dynamic_rows=compile.dynamic is None and rows_vary(data),
+        node_shared_cache=compile.node_shared_cache,
     )
 
 

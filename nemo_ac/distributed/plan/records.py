@@ -108,6 +108,11 @@ class CompilePlan:
     # compiled block marks the token dims of its inputs dynamic at its eager entry, so the first compile is already
     # dynamic in them instead of static first and recompiled at the first other length (``apply._CompiledForward``).
     dynamic_rows: bool = False
+    node_shared_cache: bool = True  # inductor only: workarounds.node_shared_compile
+
+    def node_shared(self) -> bool:
+        """Whether each graph compiles once per node (the other ranks load it): inductor with node_shared_cache."""
+        return self.backend == "inductor" and self.node_shared_cache
 
 
 @dataclass(frozen=True)

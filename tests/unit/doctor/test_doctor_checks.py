@@ -9,7 +9,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from nemo_ac.doctor.checks import CHECKS, run_check, run_checks
 from nemo_ac.doctor.report import DoctorReport, render_table
-from nemo_ac.workarounds import dynamo_compile_events, dynamo_disable_marker
+from nemo_ac.workarounds import dynamo_compile_events, dynamo_disable_marker, node_shared_compile
 
 pytestmark = pytest.mark.workaround
 
@@ -40,6 +40,7 @@ def test_autograd_inside_op_is_needed_and_works():
     [
         ("dynamo_compile_events", dynamo_compile_events, "compile_callback_handler", lambda: None),
         ("dynamo_disable_marker", dynamo_disable_marker, "_MARKER", "_no_such_marker"),
+        ("node_shared_compile", node_shared_compile, "available", lambda: False),
     ],
 )
 def test_a_missing_private_api_is_broken_in_the_report(monkeypatch, row, module, name, replacement):
