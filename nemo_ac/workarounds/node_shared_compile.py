@@ -6,25 +6,28 @@ in lockstep (the forward holds collectives), so all of them reach each compile t
 graph cache (the artifact is written only when a compile ends) and each runs the full compile: ``make run``'s 4
 ranks on 2 cores do 4x the work of one compile, contending for the cores.
 
-Fix: the compile of each graph is held under a node-local file lock (``fcntl.flock``) named by the graph, a file in
-inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``, else ``/tmp/torchinductor_$USER``: what every rank of a node
-shares, and what makes the artifacts loadable at all). The first rank to take the lock compiles and writes the
-artifacts; each other rank, once it holds the lock, finds them (an FX graph cache hit, and an AOTAutograd cache hit
-where AOTAutograd caches) and loads instead of compiling. Two levels, both through private inductor entry points:
-
-- the backend: ``compile_fx(gm, example_inputs, inner_compile=..., config_patches=options)`` (what ``backend=
-  "inductor"`` calls) under the lock of the Dynamo graph: AOTAutograd's tracing and the forward's inductor compile,
-  and the backward's where AOTAutograd compiles it at once;
-- ``inner_compile``: ``compile_fx_inner`` under the lock of the graph it compiles, for a backward AOTAutograd compiles
-  lazily at its first backward (symbolic sizes saved for backward), after the backend's lock is released.
+Fix: inductor's compile of each graph (``compile_fx_inner``: the FX graph cache lookup, and on a miss lowering,
+code generation and the C++ build) is held under a node-local file lock (``fcntl.flock``) named by the graph, a file
+in inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``, else ``/tmp/torchinductor_$USER``: what every rank of a
+node shares, and what makes the artifacts loadable at all). The first rank to take the lock compiles and writes the
+artifact; each other rank, once it holds the lock, finds it (an FX graph cache hit) and loads it instead of
+compiling. The backend is ``compile_fx(gm, example_inputs, inner_compile=<locked compile_fx_inner>,
+config_patches=options)``, what ``backend="inductor"`` calls, so the lock covers the forward graph, the backward
+graph AOTAutograd compiles at once and the one it compiles lazily at the first backward (symbolic sizes saved for
+backward) alike. AOTAutograd's tracing stays outside the lock: every rank traces concurrently, and holding the lock
+over it would make each rank trace after the previous one's compile (AOTAutograd's own cache rarely spares that
+trace here: with a lazily compiled backward its entry is written only once the backward compiled).
 
 The lock is per graph (a hash of the graph's code and its inputs' shapes, dtypes and strides), so ranks compiling
-different graphs (rank-specific graphs) still compile in parallel; a rank already holding a lock takes nested ones
-without waiting (re-entrant per thread). No collective runs while a lock is held: the locked code traces and
-generates code under fake tensors (functional collectives in the graph are recorded, not run), and the lock is
-released before the compiled graph first executes; Dynamo's own compile-time collectives
-(``enable_compiler_collectives``, off by default) run while Dynamo traces, before the backend is called. A rank
-waiting on the lock waits only on a compile that needs no other rank, so the wait is bounded by one compile.
+different graphs (rank-specific graphs) still compile in parallel; a thread already holding a lock takes it again
+without waiting. No collective runs while a lock is held: inductor's compile lowers and generates code for a graph
+(functional collectives in it are nodes, not calls) and the lock is released before the compiled graph first
+executes; Dynamo's compile-time collectives (``enable_compiler_collectives``, off by default) run while Dynamo
+traces, before the backend is called. A rank waiting on the lock waits only on a compile that needs no other rank,
+so its wait is bounded by one compile (plus the loads of the ranks queued before it).
+
+Where it pays: ranks outnumbering the cores they can compile on (``make run``: 4 ranks on 2 cores; a loaded host);
+with a free core per rank the concurrent compiles took about as long as one, and the lock adds the loads.
 
 Read through here too: inductor's FX graph cache and AOTAutograd cache hit / miss counters
 (``torch._dynamo.utils.counters``), for the compile summary's per-rank line.
@@ -122,10 +125,7 @@ class NodeSharedInductor:
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         from torch._inductor.compile_fx import compile_fx
 
-        with node_lock(graph_lock_name(gm, example_inputs)):
-            return compile_fx(
-                gm, example_inputs, inner_compile=_locked_inner_compile, config_patches=self.options or None
-            )
+        return compile_fx(gm, example_inputs, inner_compile=_locked_inner_compile, config_patches=self.options or None)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, NodeSharedInductor) and self.options == other.options
