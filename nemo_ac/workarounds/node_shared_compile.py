@@ -19,8 +19,11 @@ over it would make each rank trace after the previous one's compile (AOTAutograd
 trace here: with a lazily compiled backward its entry is written only once the backward compiled).
 
 The lock is per graph (a hash of the graph's code and its inputs' shapes, dtypes and strides), so ranks compiling
-different graphs (rank-specific graphs) still compile in parallel; a thread already holding a lock takes it again
-without waiting. No collective runs while a lock is held: inductor's compile lowers and generates code for a graph
+different graphs (rank-specific graphs: a collective's process group name is part of the graph) still compile in
+parallel; a thread already holding a lock takes it again without waiting. Once a compile of a graph finished, a
+``.done`` marker next to its lock lets later compiles of it (a warm run: every rank hits the cache) skip the lock
+instead of loading one rank at a time. The lock and the marker only order compiles: the caches decide what is
+loaded, so a stale marker (a cache cleared by hand, other inductor options) only brings back concurrent compiles. No collective runs while a lock is held: inductor's compile lowers and generates code for a graph
 (functional collectives in it are nodes, not calls) and the lock is released before the compiled graph first
 executes; Dynamo's compile-time collectives (``enable_compiler_collectives``, off by default) run while Dynamo
 traces, before the backend is called. A rank waiting on the lock waits only on a compile that needs no other rank,
@@ -106,10 +109,18 @@ def graph_lock_name(gm: Any, example_inputs: Any) -> str:
 
 
 def _locked_inner_compile(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+    """``compile_fx_inner`` under the graph's node lock, unless a compile of this graph already finished on this node
+    (its ``.done`` marker): then the cache holds it and the ranks load it without taking turns (a warm run)."""
     from torch._inductor.compile_fx import compile_fx_inner
 
-    with node_lock(graph_lock_name(gm, example_inputs)):
+    name = graph_lock_name(gm, example_inputs)
+    done = inductor_cache_dir() / LOCK_DIR / f"{name}.done"
+    if done.exists():
         return compile_fx_inner(gm, example_inputs, **kwargs)
+    with node_lock(name):
+        result = compile_fx_inner(gm, example_inputs, **kwargs)
+        done.touch()
+    return result
 
 
 class NodeSharedInductor:

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from nemo_ac.workarounds.node_shared_compile import (
     NodeSharedInductor,
@@ -70,11 +71,31 @@ def test_the_backend_swap_is_inductor_only_and_keeps_its_options():
 
 
 def test_equal_graphs_share_a_lock_name():
-    import torch
-
     def graph(x):
         return x.sin()
 
     gm = torch.fx.symbolic_trace(graph)
     assert graph_lock_name(gm, [torch.ones(2, 3)]) == graph_lock_name(gm, [torch.zeros(2, 3)])
     assert graph_lock_name(gm, [torch.ones(2, 3)]) != graph_lock_name(gm, [torch.ones(3, 2)])
+
+
+def test_a_graph_compiled_once_is_compiled_again_without_the_lock(monkeypatch, tmp_path):
+    """The ``.done`` marker: a warm run's ranks load a graph at the same time instead of one after another."""
+    import torch._inductor.compile_fx as compile_fx
+
+    from nemo_ac.workarounds import node_shared_compile
+
+    locked: list[str] = []
+    real_lock = node_shared_compile.node_lock
+
+    def recording_lock(name, **kwargs):
+        locked.append(name)
+        return real_lock(name, **kwargs)
+
+    monkeypatch.setattr(node_shared_compile, "inductor_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(node_shared_compile, "node_lock", recording_lock)
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", lambda gm, inputs, **kwargs: "compiled")
+    gm = torch.fx.symbolic_trace(lambda x: x.sin())
+    assert node_shared_compile._locked_inner_compile(gm, [torch.ones(2)]) == "compiled"
+    assert node_shared_compile._locked_inner_compile(gm, [torch.ones(2)]) == "compiled"
+    assert len(locked) == 1, "the second compile of a graph that finished once should not take turns"
