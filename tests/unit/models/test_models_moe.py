@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_ac.config.schema import MoEConfig
-from nemo_ac.models.common.dispatch import LocalDispatcher, inverse_permutation, sort_by_expert
+from nemo_ac.models.common.dispatch import LocalDispatcher, inverse_permutation, sort_by_expert, weighted_combine
 from nemo_ac.models.common.experts import GroupedExperts
 from nemo_ac.models.common.moe import MoE
 from nemo_ac.models.common.router import TopKRouter
@@ -155,3 +155,53 @@ def test_moe_stats_and_shared_expert() -> None:
     torch.testing.assert_close(stats.prob_sum, probs.sum(0))
     assert stats.prob_sum.requires_grad
     assert {n for n, _ in moe.named_children()} == {"gate", "experts", "shared_expert", "shared_expert_gate"}
+
+
+def _saved_bytes(fn, *args) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while ``fn(*args)`` runs (saved_tensors_hooks)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(storages.values())
+
+
+def test_weighted_combine_gradients_and_keeps_rows_in_their_dtype() -> None:
+    """The combine's own backward equals autograd's through the same fp32 math, and with bf16 rows it keeps the bf16
+    rows and the scores for backward: autograd's fp32 product kept the fp32 upcast of the rows (2x their bytes)."""
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(256, 64, generator=gen).to(torch.bfloat16).requires_grad_()
+    scores = torch.rand(128, 2, generator=gen, requires_grad=True)
+    ref_rows, ref_scores = rows.detach().requires_grad_(), scores.detach().requires_grad_()
+    out = weighted_combine(rows, scores)
+    ref = (ref_rows.view(128, 2, -1).to(torch.float32) * ref_scores.unsqueeze(-1)).sum(dim=1).to(torch.bfloat16)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(rows.grad, ref_rows.grad, rtol=0, atol=0)
+    torch.testing.assert_close(scores.grad, ref_scores.grad, rtol=1e-6, atol=1e-6)
+    assert _saved_bytes(weighted_combine, rows, scores) <= rows.nbytes + scores.nbytes
+
+
+def test_fp32_router_keeps_its_bf16_input_for_backward() -> None:
+    """``router_dtype: float32`` on bf16 hidden states: the same gradients as the fp32 linear autograd ran, and the
+    router keeps the bf16 input for backward, not an fp32 copy of it (2x its bytes)."""
+    router = TopKRouter(H, E, 2, router_dtype="float32")
+    torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(32, H, dtype=torch.bfloat16, requires_grad=True)
+    logits = router.logits(x)
+    ref_x = x.detach().requires_grad_()
+    ref_w = router.weight.detach().clone().requires_grad_()
+    ref = F.linear(ref_x.to(torch.float32), ref_w)
+    grad = torch.randn_like(ref)
+    logits.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(logits, ref, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=0)
+    torch.testing.assert_close(router.weight.grad, ref_w.grad, rtol=1e-6, atol=1e-6)
+    assert _saved_bytes(router.logits, x) <= x.nbytes + router.weight.nbytes
