@@ -23,6 +23,7 @@ from pathlib import Path
 
 from nemo_ac.config import load_recipe, validate_recipe
 from nemo_ac.config.schema import ModelConfig, RecipeConfig
+from nemo_ac.distributed.plan.kernels import recipe_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,6 +70,10 @@ class Row:
     ac_mode: str  # activation_checkpointing.mode of the recipe
     real: dict[str, int]  # the uncapped per-rank numbers
     caps: list[str] = field(default_factory=list)
+    # The recipe's KernelPlan on the benchmark's device (nemo_ac.distributed.plan.kernels.recipe_kernels): the
+    # attention op nemo_ac's stacks run, and the plan's start-up line.
+    attention_kernel: str = "sdpa"
+    kernels: str = ""
 
     @property
     def name(self) -> str:
@@ -237,15 +242,21 @@ def _describe_caps(row: Row) -> list[str]:
 
 
 def flagship_rows(
-    names: list[str] | None = None, *, budget_gflop: float | None, max_param_bytes: int = 6 << 30
+    names: list[str] | None = None,
+    *,
+    budget_gflop: float | None,
+    max_param_bytes: int = 6 << 30,
+    device_type: str = "cpu",
 ) -> list[Row]:
     """Every sub-block row of the named flagships (all by default), capped to ``budget_gflop`` (None: uncapped
-    except for memory) and ``max_param_bytes`` of expert weights + gradients."""
+    except for memory) and ``max_param_bytes`` of expert weights + gradients; kernels as the recipe's plan
+    resolves them on ``device_type``."""
     rows = []
     for flagship in names or list(FLAGSHIPS):
         path, world_size = FLAGSHIPS[flagship]
         recipe = load_recipe(path)
         layout = validate_recipe(recipe, world_size=world_size, source=str(path))
+        kernels = recipe_kernels(recipe, device_type=device_type)
         seq, cp = recipe_sequence(recipe), layout.cp
         if cp > 1 and recipe.parallel.cp_type != "ulysses":
             raise NotImplementedError(f"{flagship}: per-rank rows for cp_type={recipe.parallel.cp_type}")
@@ -281,6 +292,8 @@ def flagship_rows(
                 tokens=tokens,
                 ac_mode=recipe.activation_checkpointing.mode,
                 real=real,
+                attention_kernel=kernels.attention.value,
+                kernels=kernels.summary_line(),
             )
             while parameter_bytes(row) > max_param_bytes and _halve_unit(row):
                 pass

@@ -8,7 +8,8 @@
 - Memory on CPU: the peak of bytes allocated through torch's CPU allocator during the step and not yet freed, from
   the profiler's allocation events (``profile_memory=True``): activations, gradients, temporaries and kernel
   workspaces; weights, inputs and what existed before the step are not counted. On CUDA:
-  ``torch.cuda.max_memory_allocated`` above the step's start.
+  ``torch.cuda.max_memory_allocated`` above the step's start. Held memory (``held_bytes``): what a forward leaves
+  allocated for its backward, from the same events (CUDA: ``torch.cuda.memory_allocated``).
 - Peak: ``F.linear`` (the layers' own GEMM form, ``x @ W^T``) throughput at a given shape and dtype, measured in
   the same process.
 - Allocator: on Linux/glibc the benchmark keeps freed memory in the process (``keep_freed_memory``). Without it each
@@ -178,6 +179,26 @@ def peak_bytes(step: Callable[[], None], *, device: torch.device) -> int:
         live += nbytes
         peak = max(peak, live)
     return peak
+
+
+def held_bytes(forward: Callable[[], torch.Tensor], *, device: torch.device) -> int:
+    """Bytes a ``forward()`` leaves allocated for its backward: allocated during the forward, still alive when it
+    returns, less its output. What autograd (or activation checkpointing: its saved inputs and the tensors a
+    selective policy kept) holds between forward and backward, not a peak inside either. The graph is released
+    without a backward."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        out = forward()
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base
+    else:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = forward()
+        held = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    held -= out.untyped_storage().nbytes()
+    del out
+    return held
 
 
 def time_steps(step: Callable[[], None], *, device: torch.device, warmup: int, repeats: int) -> list[float]:

@@ -8,9 +8,11 @@ Rows come from the recipes themselves (``benchmarks/_flagship_shapes.py``: per-r
 under ulysses, local experts after EP and the rows each receives; caps printed where a row exceeds this machine's
 budget). For each row and dtype, on the same weights and the same input:
 
-- ``nemo_ac``: the sub-block with the recipe's activation checkpointing (selective or full) and the kernels a
-  recipe gets (``experts_impl: auto``); ``nemo_ac no-AC``: the same without checkpointing (the like-for-like
-  comparison with transformers, which has no selective AC); MoE rows add ``nemo_ac loop``, the experts loop;
+- ``nemo_ac``: the sub-block with the recipe's activation checkpointing (selective or full) and the kernels the
+  recipe's plan resolves on the device (``recipe_kernels``: ``experts_impl: auto`` -> grouped_mm, ``attention:
+  auto`` -> the tiled packed op on CPU, FlexAttention on CUDA); ``nemo_ac no-AC``: the same without checkpointing
+  (the like-for-like comparison with transformers, which has no selective AC); MoE rows add ``nemo_ac loop``, the
+  experts loop; ``--sdpa-reference`` adds ``nemo_ac sdpa no-AC`` to the attention rows (the dense-mask reference);
 - ``transformers``: the transformers 5.x module of the same family as a user's model runs it
   (``benchmarks/_flagship_peers.py`` says which attention / experts implementation);
 - ``automodel``: NeMo Automodel 0.7.0's own layer (``benchmarks/_automodel_peers.py``), when it is installed
@@ -23,8 +25,12 @@ budget). For each row and dtype, on the same weights and the same input:
 Per row: median step time (forward + backward) with its min-max spread, tracked peak memory (see
 ``benchmarks/_measure.py``), model FLOPs (FlopCounterMode, attention counted by visible causal pairs), executed
 FLOPs, achieved FLOP/s and achieved / peak, where peak is ``torch.mm`` at the row's dominant GEMM shape measured in
-this run, and nemo_ac / transformers ratios of time and memory. Where nemo_ac is slower than transformers, a
-profile line names the op that dominates its step. Writes benchmarks/results/flagship_layers{,_quick}.{json,md,png}.
+this run, and nemo_ac / transformers ratios of time and memory. Held memory (``_measure.held_bytes``): the bytes
+a forward leaves allocated for its backward (saved tensors, or what the recipe's activation checkpointing keeps)
+plus the sub-block's input, which every stack keeps (a norm saves it, a checkpoint keeps it); not a peak.
+``held / HF no-AC`` divides nemo_ac's (recipe AC, and no-AC) by transformers' without AC. Where nemo_ac is slower
+than transformers, a profile line names the op that dominates its step. Writes
+benchmarks/results/flagship_layers{,_quick}.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -41,9 +47,18 @@ from typing import Any
 import _automodel_peers as automodel_peers
 import _flagship_peers as peers
 import torch
-from _common import RESULTS_DIR, cell, machine, markdown_table, write_json
+from _common import RESULTS_DIR, machine, write_json
+from _flagship_report import caps_table, chart, render, table
 from _flagship_shapes import Row, flagship_rows
-from _measure import count_flops, keep_freed_memory, matmul_peak, peak_bytes, release_free_memory, time_steps
+from _measure import (
+    count_flops,
+    held_bytes,
+    keep_freed_memory,
+    matmul_peak,
+    peak_bytes,
+    release_free_memory,
+    time_steps,
+)
 
 from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.distributed.activation_checkpointing import make_selective_checkpoint_context_fn
@@ -132,6 +147,7 @@ def _measure(
     device: torch.device,
     repeats: int,
     count_executed: bool = True,
+    held: bool = False,
 ) -> dict[str, Any]:
     def step() -> None:
         inp = x.detach().requires_grad_()
@@ -140,11 +156,14 @@ def _measure(
             p.grad = None
 
     peak = peak_bytes(step, device=device)  # also the warm-up step
+    # Plus the input: every sub-block keeps it for backward (its first norm saves it; a checkpoint keeps it), and it
+    # exists before the forward, so held_bytes does not see it.
+    kept = held_bytes(lambda: fn(x.detach().requires_grad_()), device=device) + x.nbytes if held else None
     # Not for Automodel: its torch.compile(fullgraph=True) expert activations refuse FlopCounterMode's dispatch mode
     # ("non-infra torch dispatch mode present"), and the failed frame then stays skipped for the timed steps.
     executed = count_flops(step, visible_fraction=None) if count_executed else None
     times = time_steps(step, device=device, warmup=0, repeats=repeats)
-    return {"step": step, "times": times, "peak_bytes": peak, "executed_flops": executed}
+    return {"step": step, "times": times, "peak_bytes": peak, "held_bytes": kept, "executed_flops": executed}
 
 
 # The torch reference Gated DeltaNet / Mamba-2 loop over chunks in Python: inductor unrolls the loop, and a cold
@@ -157,7 +176,14 @@ SKIPPED: list[str] = []  # rows a peer stack could not run, with the reason
 
 
 def run_row(
-    row: Row, *, dtype_name: str, device: torch.device, repeats: int, compile_: bool, compile_recurrent: bool = False
+    row: Row,
+    *,
+    dtype_name: str,
+    device: torch.device,
+    repeats: int,
+    compile_: bool,
+    compile_recurrent: bool = False,
+    sdpa_reference: bool = False,
 ) -> list[dict[str, Any]]:
     dtype = DTYPES[dtype_name]
     torch.manual_seed(0)
@@ -171,8 +197,8 @@ def run_row(
         stacks.append(("nemo_ac loop no-AC", "loop", "none"))
     if compile_ and (row.kind not in RECURRENT or compile_recurrent):
         stacks.append(("nemo_ac compiled no-AC", "auto", "none"))
-    if row.kind in ATTENTION_KINDS:  # the tiled packed-document op beside the sdpa reference
-        stacks.append(("nemo_ac tiled no-AC", "auto", "none"))
+    if sdpa_reference and row.kind in ATTENTION_KINDS and row.attention_kernel != "sdpa":
+        stacks.append(("nemo_ac sdpa no-AC", "auto", "none"))  # the dense-mask reference beside the recipe's kernel
     peak = matmul_peak(*_dominant_gemm(row), dtype=dtype, device=device)
     # The weights every stack starts from (peers copy them); each stack's own module is dropped once measured, so
     # at most two copies of the row's weights are alive.
@@ -186,9 +212,10 @@ def run_row(
         dtype=dtype,
         device=device,
     )
-    measured = _measure(peer.run, list(peer.module.parameters()), x, grad, device=device, repeats=repeats)
+    peer_params = list(peer.module.parameters())
+    measured = _measure(peer.run, peer_params, x, grad, device=device, repeats=repeats, held=True)
     measured.update(stack="transformers", ac="none", impl=peer.impl, compile_s=None, profile="")
-    del peer
+    del peer, peer_params
     results.append(measured)
     hf_time = statistics.median(measured["times"])
     if automodel_peers.automodel_available():
@@ -211,7 +238,7 @@ def run_row(
         del am
     model_flops = None
     for stack, experts_impl, ac_mode in stacks:
-        attention = "tiled" if "tiled" in stack else "sdpa"
+        attention = "sdpa" if "sdpa" in stack else row.attention_kernel  # the recipe's plan (Row.kernels)
         layer = _build_layer(row, experts_impl=experts_impl, dtype=dtype, device=device, attention=attention)
         fn = peers.nemo_sub_block(
             row.kind, model_cfg=row.model, nemo_layer=layer, seq_len=row.tokens, dtype=dtype, device=device
@@ -225,14 +252,16 @@ def run_row(
             compile_s = time.perf_counter() - started
         fn = _with_ac(fn, ac_mode)
         params = list(layer.parameters())
-        measured = _measure(fn, params, x, grad, device=device, repeats=repeats)
+        held = stack in ("nemo_ac", "nemo_ac no-AC")
+        measured = _measure(fn, params, x, grad, device=device, repeats=repeats, held=held)
         if model_flops is None and ac_mode == "none":  # what the layer must compute: no recompute counted
             model_flops = count_flops(measured["step"], visible_fraction=visible)
         slower = stack == "nemo_ac no-AC" and statistics.median(measured["times"]) > 1.05 * hf_time
         measured.update(
             stack=stack,
             ac=ac_mode,
-            impl=f"experts_impl={layer_impl(layer, device=device)}, attention={attention}",
+            impl=f"experts_impl={layer_impl(layer, device=device)}"
+            + (f", attention={attention}" if row.kind in ATTENTION_KINDS else ""),
             compile_s=compile_s,
             profile=_top_op(measured["step"]) if slower else "",
         )
@@ -243,6 +272,7 @@ def run_row(
         r.pop("step", None)
     del reference
     hf_peak = next(r["peak_bytes"] for r in results if r["stack"] == "transformers")
+    hf_held = next(r["held_bytes"] for r in results if r["stack"] == "transformers")
     out = []
     for r in results:
         median = statistics.median(r["times"])
@@ -269,6 +299,8 @@ def run_row(
                 "achieved_over_peak": achieved / peak,
                 "time_vs_transformers": median / hf_time,
                 "memory_vs_transformers": r["peak_bytes"] / hf_peak if hf_peak else None,
+                "held_mib": None if r["held_bytes"] is None else r["held_bytes"] / 2**20,
+                "held_vs_transformers_no_ac": None if r["held_bytes"] is None else r["held_bytes"] / hf_held,
                 "compile_s": r["compile_s"],
                 "dominant_ops": r["profile"],
             }
@@ -292,155 +324,6 @@ def layer_impl(layer: torch.nn.Module, *, device: torch.device) -> str:
     return f"{e.impl} -> {chosen}" if e.impl == "auto" else chosen
 
 
-HEADERS = [
-    "flagship",
-    "sub-block",
-    "stack",
-    "dtype",
-    "median ms (min-max)",
-    "peak MiB",
-    "model GFLOP",
-    "executed GFLOP",
-    "GFLOP/s",
-    "achieved/peak",
-    "time / transformers",
-    "memory / transformers",
-]
-
-
-def table(records: list[dict[str, Any]]) -> str:
-    rows = [
-        [
-            r["flagship"],
-            r["sub_block"],
-            r["stack"],
-            r["dtype"],
-            f"{r['median_ms']:.0f} ({r['min_ms']:.0f}-{r['max_ms']:.0f})",
-            r["peak_mib"],
-            r["model_gflop"],
-            r["executed_gflop"],
-            r["achieved_gflops"],
-            f"{r['achieved_over_peak']:.2f}",
-            f"{r['time_vs_transformers']:.2f}",
-            cell(r["memory_vs_transformers"], digits=2),
-        ]
-        for r in records
-    ]
-    return markdown_table(headers=HEADERS, rows=rows)
-
-
-def summary_table(records: list[dict[str, Any]]) -> str:
-    """One line per sub-block and dtype: every stack's median time, and nemo_ac (no-AC) against transformers."""
-    lines = []
-    keys = list(dict.fromkeys((r["flagship"], r["sub_block"], r["dtype"]) for r in records))
-    for key in keys:
-        by_stack = {r["stack"]: r for r in records if (r["flagship"], r["sub_block"], r["dtype"]) == key}
-
-        def ms(stack: str, by_stack: dict[str, dict[str, Any]] = by_stack) -> str:
-            r = by_stack.get(stack)
-            return "—" if r is None else f"{r['median_ms']:.0f}"
-
-        nemo, hf = by_stack["nemo_ac no-AC"], by_stack["transformers"]
-        am = by_stack.get("automodel")
-        lines.append(
-            [
-                key[0].split("_")[0],
-                key[1],
-                key[2],
-                ms("nemo_ac"),
-                ms("nemo_ac no-AC"),
-                ms("nemo_ac compiled no-AC"),
-                ms("nemo_ac loop no-AC"),
-                ms("transformers"),
-                ms("automodel"),
-                f"{nemo['time_vs_transformers']:.2f}",
-                cell(nemo["memory_vs_transformers"], digits=2),
-                f"{nemo['achieved_over_peak']:.2f} / {hf['achieved_over_peak']:.2f}"
-                + (f" / {am['achieved_over_peak']:.2f}" if am else ""),
-                nemo["model_gflop"],
-            ]
-        )
-    return markdown_table(
-        headers=[
-            "flagship",
-            "sub-block",
-            "dtype",
-            "nemo_ac (recipe AC) ms",
-            "nemo_ac ms",
-            "compiled ms",
-            "loop ms",
-            "transformers ms",
-            "automodel ms",
-            "time nemo_ac / HF",
-            "memory nemo_ac / HF",
-            "achieved/peak nemo_ac / HF / AM",
-            "model GFLOP",
-        ],
-        rows=lines,
-    )
-
-
-def caps_table(rows: list[dict[str, Any]]) -> str:
-    return markdown_table(
-        headers=["flagship", "sub-block", "recipe AC", "tokens", "caps"],
-        rows=[[r["flagship"], r["label"], r["ac_mode"], r["tokens"], r["caps"]] for r in rows],
-    )
-
-
-def render(rows: list[dict[str, Any]], records: list[dict[str, Any]], *, automodel: str) -> str:
-    """The markdown report: caps, the one-line-per-row summary, every measurement, profiles, implementations."""
-    notes = [
-        f"{r['flagship']} {r['sub_block']} {r['dtype']}: {r['dominant_ops']}" for r in records if r["dominant_ops"]
-    ]
-    return "\n\n".join(
-        [
-            caps_table(rows),
-            summary_table(records),
-            table(records),
-            "Where nemo_ac (no-AC) is slower than transformers, its step's top ops by self time:\n"
-            + ("\n".join(f"- {n}" for n in notes) or "- none"),
-            f"NeMo Automodel: {automodel}",
-            "Implementations: " + "; ".join(sorted({f"{r['stack']}: {r['impl']}" for r in records})),
-        ]
-    )
-
-
-def chart(records: list[dict[str, Any]], path: Path) -> None:
-    """Achieved / peak per row, nemo_ac (no-AC) beside transformers (and Automodel), one panel per dtype."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib): no chart", file=sys.stderr)
-        return
-    dtypes = sorted({r["dtype"] for r in records})
-    fig, axes = plt.subplots(len(dtypes), 1, figsize=(11, 3.2 * len(dtypes)), squeeze=False)
-    for ax, dtype in zip(axes[:, 0], dtypes, strict=True):
-        stacks = [s for s in ("nemo_ac no-AC", "transformers", "automodel") if any(r["stack"] == s for r in records)]
-        keep = [r for r in records if r["dtype"] == dtype and r["stack"] in stacks]
-        labels = sorted({f"{r['flagship'].split('_')[0]} {r['sub_block']}" for r in keep}, key=str)
-        width = 0.8 / len(stacks)
-        for n, stack in enumerate(stacks):
-            offset = (n - (len(stacks) - 1) / 2) * width
-            values = {
-                f"{r['flagship'].split('_')[0]} {r['sub_block']}": r["achieved_over_peak"]
-                for r in keep
-                if r["stack"] == stack
-            }
-            ax.bar(
-                [i + offset for i in range(len(labels))], [values.get(label, 0) for label in labels], width, label=stack
-            )
-        ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("achieved / matmul peak")
-        ax.set_title(f"{dtype}: model FLOP/s over this machine's F.linear at the row's dominant GEMM")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    print(f"wrote {path}", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fp32, one flagship, 2 repeats, half the budget")
@@ -453,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip the nemo_ac compiled (inductor) rows")
     parser.add_argument(
         "--compile-recurrent", action="store_true", help="also compile the Gated DeltaNet / Mamba-2 rows (slow)"
+    )
+    parser.add_argument(
+        "--sdpa-reference", action="store_true", help="attention rows: also the dense-mask sdpa op, no AC"
     )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--render", type=Path, default=None, help="re-render the .md / .png of a results JSON")
@@ -473,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and device.type == "cpu":
         budget = budget / 4
     repeats = args.repeats or (2 if args.quick else 3)
-    rows = flagship_rows(names, budget_gflop=budget)
+    rows = flagship_rows(names, budget_gflop=budget, device_type=device.type)
     if args.kinds:
         rows = [r for r in rows if r.kind in args.kinds.split(",")]
     print(caps_table([dataclasses.asdict(r) | {"caps": r.cap_text()} for r in rows]), flush=True)
@@ -488,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 repeats=repeats,
                 compile_=not args.no_compile,
                 compile_recurrent=args.compile_recurrent,
+                sdpa_reference=args.sdpa_reference,
             )
             records += got
             release_free_memory()  # the next row starts from a trimmed heap (keep_freed_memory keeps it otherwise)
