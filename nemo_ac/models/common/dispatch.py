@@ -70,12 +70,20 @@ class _WeightedCombine(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows, top_scores = ctx.saved_tensors
         t, k = top_scores.shape
-        grad32 = grad_out.to(torch.float32).unsqueeze(1)  # [T, 1, H]
-        grad_rows = grad_scores = None
-        if ctx.needs_input_grad[0]:
-            grad_rows = (grad32 * top_scores.to(torch.float32).unsqueeze(-1)).to(rows.dtype).view(t * k, -1)
-        if ctx.needs_input_grad[1]:
-            grad_scores = (grad32 * rows.view(t, k, -1).to(torch.float32)).sum(dim=-1).to(top_scores.dtype)
+        # One slot at a time: the fp32 temporaries are [T, H], not [T, k, H] (autograd's form made two of those in
+        # backward, 2x the bf16 rows' bytes each, and set the bf16 MoE row's peak).
+        grad32 = grad_out.to(torch.float32)  # [T, H]
+        scores32 = top_scores.to(torch.float32)
+        slots = rows.view(t, k, -1)
+        grad_rows = torch.empty_like(slots) if ctx.needs_input_grad[0] else None
+        grad_scores = torch.empty_like(top_scores) if ctx.needs_input_grad[1] else None
+        for j in range(k):
+            if grad_rows is not None:
+                grad_rows[:, j] = grad32 * scores32[:, j : j + 1]
+            if grad_scores is not None:
+                grad_scores[:, j] = (grad32 * slots[:, j].to(torch.float32)).sum(dim=-1)
+        if grad_rows is not None:
+            grad_rows = grad_rows.view(t * k, -1)
         return grad_rows, grad_scores
 
 
