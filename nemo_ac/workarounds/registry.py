@@ -173,116 +173,108 @@ FAILURES: tuple[Workaround, ...] = (
     ),
 )
 
+
+def technique(
+    *,
+    name: str,
+    title: str,
+    relies_on: str,
+    applied: str,
+    delete_when: str,
+    compat: str = "",
+    upstream: tuple[Upstream, ...] = (),
+) -> Workaround:
+    """A technique row: never version gated (``nemo-ac doctor`` checks the API on the installed torch), ``error``
+    holding what it relies on."""
+    return Workaround(
+        name=name,
+        title=title,
+        error=relies_on,
+        applied=applied,
+        compat=compat,
+        upstream=upstream,
+        delete_when=delete_when,
+        gated=False,
+        kind="technique",
+    )
+
+
 # Private torch techniques nemo_ac relies on (no failure of their own); nemo-ac doctor checks each (doctor.checks).
 TECHNIQUES: tuple[Workaround, ...] = (
-    Workaround(
+    technique(
         name="sac_mode_passthrough",
         title="torch's SAC mode pair re-classed so that chosen ops pass through",
-        error="the private _CachingTorchDispatchMode / _CachedTorchDispatchMode classes (re-classed by __class__ "
+        relies_on="the private _CachingTorchDispatchMode / _CachedTorchDispatchMode classes (re-classed by __class__ "
         "assignment) and the higher-order-op redirects registered for them",
         applied="every nemo_ac SAC region (activation_checkpointing.contexts, compat.selective_checkpoint_context_fn)",
         compat="compat.selective_checkpoint_context_fn",
         upstream=(Upstream("pytorch/pytorch#196862", "closed unmerged", "scoped SAC bypass context"),),
         delete_when="fsdp_hooks_in_sac and compiled_regions_under_sac are deleted, or torch's SAC takes a "
         "pass-through predicate",
-        gated=False,
-        kind="technique",
     ),
-    Workaround(
+    technique(
         name="autograd_inside_op",
         title="autograd recorded inside a custom op's body",
-        error="torch._C._ForceDispatchKeyGuard and the thread's dispatch key sets (lifting the autograd exclusion "
+        relies_on="torch._C._ForceDispatchKeyGuard and the thread's dispatch key sets (lifting the autograd exclusion "
         "torch sets around a custom op's body)",
         applied="backward ops of the fla / mamba-ssm mixer kernels (models.common.mixer_kernels)",
-        compat="",
-        upstream=(),
         delete_when="the kernels' backward is called directly, or torch.library offers a public way",
-        gated=False,
-        kind="technique",
     ),
-    Workaround(
+    technique(
         name="dynamo_compile_events",
         title="Dynamo's per-compile callbacks, counters and compile metrics",
-        error="torch._dynamo.callback_handler, torch._dynamo.utils.counters, "
+        relies_on="torch._dynamo.callback_handler, torch._dynamo.utils.counters, "
         "torch._dynamo.utils.get_compilation_metrics",
         applied="diagnostics.recompiles (per-thread compile report), diagnostics.compile_progress, doctor isolation",
-        compat="",
-        upstream=(),
         delete_when="torch offers a public per-compile start/end hook and compile metrics",
-        gated=False,
-        kind="technique",
     ),
-    Workaround(
+    technique(
         name="dynamo_settings",
         title="Dynamo settings only its private config module holds",
-        error="torch._dynamo.config.recompile_limit and torch._dynamo.config.capture_scalar_outputs",
+        relies_on="torch._dynamo.config.recompile_limit and torch._dynamo.config.capture_scalar_outputs",
         applied="compile settings of every compiled block (compile.settings), doctor thread probes",
-        compat="",
-        upstream=(),
         delete_when="both settings are public (torch.compiler.config or torch.compile arguments)",
-        gated=False,
-        kind="technique",
     ),
-    Workaround(
+    technique(
         name="dynamo_disable_marker",
         title="which functions torch.compiler.disable wrapped",
-        error="the _torchdynamo_disable attribute of a Dynamo-disabled wrapper",
+        relies_on="the _torchdynamo_disable attribute of a Dynamo-disabled wrapper",
         applied="the plan's untraceable modules (distributed.untraceable)",
-        compat="",
-        upstream=(),
         delete_when="torch offers a public is_disabled query",
-        gated=False,
-        kind="technique",
     ),
-    Workaround(
+    technique(
         name="partitioner_op_list",
         title="torch's list of compute-intensive ops",
-        error="torch._functorch.partitioners.get_default_op_list().compute_intensive_ops",
+        relies_on="torch._functorch.partitioners.get_default_op_list().compute_intensive_ops",
         applied="nemo_ac's selective AC policy (activation_checkpointing.policy)",
-        compat="",
-        upstream=(),
         delete_when="the policy keeps its own complete list, or torch makes the list public",
-        gated=False,
-        kind="technique",
     ),
-    Workaround(
+    technique(
         name="fake_world",
         title="the fake process group, fake tensors and graph-task id of the dry run",
-        error="torch._subclasses.fake_tensor, torch._C._current_graph_task_id, "
+        relies_on="torch._subclasses.fake_tensor, torch._C._current_graph_task_id, "
         "torch.distributed.distributed_c10d._resolve_process_group and DTensor's sharding propagator",
         applied="the full-size dry run (nemo_ac.simulate)",
-        compat="",
-        upstream=(),
         delete_when="torch has public equivalents (a documented fake world for estimation)",
-        gated=False,
-        kind="technique",
     ),
-    Workaround(
+    technique(
         name="node_shared_compile",
         title="one inductor compile per graph per node (the node's other ranks load it from the cache)",
-        error="torch._inductor.compile_fx.compile_fx (its inner_compile and config_patches arguments), "
+        relies_on="torch._inductor.compile_fx.compile_fx (its inner_compile and config_patches arguments), "
         "compile_fx_inner, torch._inductor.runtime.cache_dir_utils.cache_dir and the fxgraph_cache_hit / "
         "fxgraph_cache_miss counters",
         applied="the torch.compile backend of every compiled block with backend inductor (distributed.compile.apply, "
         "compile.node_shared_cache); the compile summary's per-rank cache line (diagnostics.compile_caches)",
-        compat="",
-        upstream=(),
         delete_when="inductor serializes identical concurrent compiles on a node itself, or Dynamo shares one rank's "
         "compile with the node's other ranks",
-        gated=False,
-        kind="technique",
     ),
-    Workaround(
+    technique(
         name="mem_tracker_global_peak",
         title="FSDPMemTracker keeping only the global peak (per-op cost grew with every module seen)",
-        error="MemTracker._update_peak_stats (overridden) and the tracker's _curr_mem_snap, _peak_mem, "
+        relies_on="MemTracker._update_peak_stats (overridden) and the tracker's _curr_mem_snap, _peak_mem, "
         "_peak_mem_snap, _depth and _root_mod",
         applied="the full-size dry run's memory estimate (nemo_ac.simulate)",
-        compat="",
-        upstream=(),
         delete_when="MemTracker offers a global-only mode or updates only the active modules' peaks",
-        gated=False,
-        kind="technique",
     ),
 )
 
