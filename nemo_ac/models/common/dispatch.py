@@ -91,8 +91,15 @@ def weighted_combine(rows: torch.Tensor, top_scores: torch.Tensor) -> torch.Tens
     """Sum of the k expert outputs per token weighted by the router scores, accumulated in fp32.
 
     rows: [T*k, H] in flat (token, slot) order; top_scores: [T, k]. Returns [T, H] in ``rows.dtype``. Keeps
-    ``rows`` (not an fp32 copy) for backward (``_WeightedCombine``).
+    ``rows`` (not an fp32 copy) for backward (``_WeightedCombine``) when it runs eagerly.
+    Inside a compiled graph the autograd form is traced instead: there AOTAutograd's partitioner decides what is
+    saved, and a custom ``autograd.Function`` makes torch 2.13 bypass AOTAutograd's cache for the whole graph
+    (counter ``autograd_cache_bypass``): a warm ``make run`` then re-traced its MoE graphs.
     """
+    if torch.compiler.is_compiling():
+        t, k = top_scores.shape
+        weighted = rows.view(t, k, -1).to(torch.float32) * top_scores.to(torch.float32).unsqueeze(-1)
+        return weighted.sum(dim=1).to(rows.dtype)
     return _WeightedCombine.apply(rows, top_scores)
 
 

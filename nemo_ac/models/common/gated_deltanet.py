@@ -119,8 +119,13 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, document_ids: to
 
     x: [B, S, H, d]; weight: [H, d, K] (``weight[..., K-1]`` multiplies the current token, as in
     ``nn.Conv1d(padding=K-1)`` truncated to the first S outputs); document_ids: [B, S]. Returns [B, S, H, d].
-    Only ``x`` (and the weight and ids) are kept for backward (``_PackedCausalConv1d``).
+    Only ``x`` (and the weight and ids) are kept for backward (``_PackedCausalConv1d``) when it runs eagerly.
+    Inside a compiled graph the autograd form is traced instead: there AOTAutograd's partitioner decides what is
+    saved, and a custom ``autograd.Function`` makes torch 2.13 bypass AOTAutograd's cache for the whole graph
+    (counter ``autograd_cache_bypass``): a warm ``make run`` then re-traced its first Gated DeltaNet block graph (9 -> 27 s).
     """
+    if torch.compiler.is_compiling():
+        return F.silu(_conv_taps(x, weight.to(x.dtype).unbind(-1), document_ids))
     return _PackedCausalConv1d.apply(x, weight, document_ids)
 
 
