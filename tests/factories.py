@@ -261,6 +261,19 @@ def peer_layers(family: str) -> tuple[ModelConfig, torch.nn.ModuleList]:
     return cfg, inner.layers
 
 
+def saved_bytes(fn, *args) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while ``fn(*args)`` runs (saved_tensors_hooks)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(storages.values())
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to max |b|."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()

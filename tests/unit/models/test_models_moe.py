@@ -11,6 +11,7 @@ from nemo_ac.models.common.dispatch import LocalDispatcher, inverse_permutation,
 from nemo_ac.models.common.experts import GroupedExperts
 from nemo_ac.models.common.moe import MoE
 from nemo_ac.models.common.router import TopKRouter
+from tests.factories import saved_bytes
 
 H, E, INTER = 24, 5, 12
 
@@ -157,19 +158,6 @@ def test_moe_stats_and_shared_expert() -> None:
     assert {n for n, _ in moe.named_children()} == {"gate", "experts", "shared_expert", "shared_expert_gate"}
 
 
-def _saved_bytes(fn, *args) -> int:
-    """Bytes of the distinct storages autograd keeps for backward while ``fn(*args)`` runs (saved_tensors_hooks)."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return sum(storages.values())
-
-
 def test_weighted_combine_gradients_and_keeps_rows_in_their_dtype() -> None:
     """The combine's own backward equals autograd's through the same fp32 math, and with bf16 rows it keeps the bf16
     rows and the scores for backward: autograd's fp32 product kept the fp32 upcast of the rows (2x their bytes)."""
@@ -185,7 +173,7 @@ def test_weighted_combine_gradients_and_keeps_rows_in_their_dtype() -> None:
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     torch.testing.assert_close(rows.grad, ref_rows.grad, rtol=0, atol=0)
     torch.testing.assert_close(scores.grad, ref_scores.grad, rtol=1e-6, atol=1e-6)
-    assert _saved_bytes(weighted_combine, rows, scores) <= rows.nbytes + scores.nbytes
+    assert saved_bytes(weighted_combine, rows, scores) <= rows.nbytes + scores.nbytes
 
 
 def test_fp32_router_keeps_its_bf16_input_for_backward() -> None:
@@ -204,4 +192,4 @@ def test_fp32_router_keeps_its_bf16_input_for_backward() -> None:
     torch.testing.assert_close(logits, ref, rtol=0, atol=0)
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=0)
     torch.testing.assert_close(router.weight.grad, ref_w.grad, rtol=1e-6, atol=1e-6)
-    assert _saved_bytes(router.logits, x) <= x.nbytes + router.weight.nbytes
+    assert saved_bytes(router.logits, x) <= x.nbytes + router.weight.nbytes

@@ -16,6 +16,7 @@ from nemo_ac.models.common.gated_deltanet import (
     packed_causal_conv1d,
 )
 from nemo_ac.models.init import materialize_and_init
+from tests.factories import saved_bytes
 
 
 def recurrent_reference(q, k, v, g, beta, document_ids):
@@ -148,19 +149,6 @@ def test_compiles_fullgraph_with_backward_and_no_recompile_for_new_document_layo
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def _saved_bytes(fn, *args) -> int:
-    """Bytes of the distinct storages autograd keeps for backward while ``fn(*args)`` runs (saved_tensors_hooks)."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return sum(storages.values())
-
-
 def test_packed_causal_conv_backward_matches_autograd_and_keeps_only_its_input() -> None:
     """The conv's own backward equals autograd's through the same math (fp64 gradcheck, packed documents), and it
     keeps x, the weight and the ids for backward: the autograd form kept a padded copy, one masked copy per earlier
@@ -173,7 +161,7 @@ def test_packed_causal_conv_backward_matches_autograd_and_keeps_only_its_input()
     big = torch.randn(1, 512, 4, 32, requires_grad=True)
     weight = torch.randn(4, 32, 4, requires_grad=True)
     ids = torch.zeros(1, 512, dtype=torch.long)
-    saved = _saved_bytes(packed_causal_conv1d, big, weight, ids)
+    saved = saved_bytes(packed_causal_conv1d, big, weight, ids)
     assert saved <= big.nbytes + weight.nbytes + ids.nbytes, saved / big.nbytes
 
 
@@ -186,6 +174,6 @@ def test_chunked_rule_keeps_no_more_for_backward_than_transformers() -> None:
     b, s, h, d, c = 1, 256, 2, 64, 32
     q, k, v, g, beta = _random_inputs(b=b, s=s, h=h, dk=d, dv=d)
     q, k, v, g, beta = (t.requires_grad_() for t in (q, k, v, g, beta))
-    saved = _saved_bytes(lambda *a: chunk_gated_delta_rule(*a, chunk_size=c), q, k, v, g, beta)
-    reference = _saved_bytes(lambda *a: modeling.torch_chunk_gated_delta_rule(*a, chunk_size=c), q, k, v, g, beta)
+    saved = saved_bytes(lambda *a: chunk_gated_delta_rule(*a, chunk_size=c), q, k, v, g, beta)
+    reference = saved_bytes(lambda *a: modeling.torch_chunk_gated_delta_rule(*a, chunk_size=c), q, k, v, g, beta)
     assert saved <= reference, saved / reference

@@ -19,6 +19,22 @@ def _docs() -> torch.Tensor:
     return ids
 
 
+def _ssd_params(*, nh: int, hd: int, n: int, A: torch.Tensor, D: torch.Tensor) -> Mamba2CoreParams:
+    """The scan's parameters for ``ssd_chunk_scan`` called directly (its conv weights are not read: chunk 5)."""
+    return Mamba2CoreParams(
+        conv_x_weight=torch.empty(nh, hd, 4),
+        conv_x_bias=None,
+        conv_b_weight=torch.empty(1, n, 4),
+        conv_b_bias=None,
+        conv_c_weight=torch.empty(1, n, 4),
+        conv_c_bias=None,
+        A=A,
+        D=D,
+        dt_bias=torch.zeros(nh, dtype=torch.float64),
+        chunk_size=5,
+    )
+
+
 def test_gated_delta_rule_carried_state_continues_the_row_exactly() -> None:
     gen = torch.Generator().manual_seed(0)
     h, dk, dv = 3, 4, 6
@@ -71,18 +87,7 @@ def test_ssd_final_state_is_the_last_segments_recurrence() -> None:
     B = torch.randn(2, S, 1, n, generator=gen, dtype=torch.float64)
     C = torch.randn(2, S, 1, n, generator=gen, dtype=torch.float64)
     A = -torch.tensor([0.3, 1.2], dtype=torch.float64)
-    params = Mamba2CoreParams(
-        conv_x_weight=torch.empty(nh, hd, 4),
-        conv_x_bias=None,
-        conv_b_weight=torch.empty(1, n, 4),
-        conv_b_bias=None,
-        conv_c_weight=torch.empty(1, n, 4),
-        conv_c_bias=None,
-        A=A,
-        D=torch.zeros(nh, dtype=torch.float64),
-        dt_bias=torch.zeros(nh, dtype=torch.float64),
-        chunk_size=5,
-    )
+    params = _ssd_params(nh=nh, hd=hd, n=n, A=A, D=torch.zeros(nh, dtype=torch.float64))
     segments = segment_ids(_docs())
     _, final = ssd_chunk_scan(x, dt, B, C, params, segments, output_final_state=True)
     step = F.softplus(dt)
@@ -105,17 +110,12 @@ def test_ssd_compiled_padding_path_matches_the_eager_one(monkeypatch) -> None:
 
     gen = torch.Generator().manual_seed(2)
     nh, hd, n = 2, 3, 4
-    params = Mamba2CoreParams(
-        conv_x_weight=torch.empty(nh, hd, 4),
-        conv_x_bias=None,
-        conv_b_weight=torch.empty(1, n, 4),
-        conv_b_bias=None,
-        conv_c_weight=torch.empty(1, n, 4),
-        conv_c_bias=None,
+    params = _ssd_params(
+        nh=nh,
+        hd=hd,
+        n=n,
         A=-torch.tensor([0.3, 1.2], dtype=torch.float64),
         D=torch.tensor([0.5, -1.0], dtype=torch.float64),
-        dt_bias=torch.zeros(nh, dtype=torch.float64),
-        chunk_size=5,
     )
     for s in (S, 35):
         args = (
