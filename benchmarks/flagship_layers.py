@@ -175,6 +175,21 @@ ATTENTION_KINDS = ("qwen_attention_mixer", "glm_attention_mixer", "nemotron_atte
 SKIPPED: list[str] = []  # rows a peer stack could not run, with the reason
 
 
+def reference_and_peer(row: Row, *, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Any]:
+    """The row's nemo_ac layer holding the weights every stack starts from, and transformers' layer copying them."""
+    reference = _build_layer(row, experts_impl="auto", dtype=dtype, device=device)
+    peer = peers.build_peer(
+        row.kind,
+        model_cfg=row.model,
+        nemo_layer=reference,
+        layer_idx=row.layer_idx,
+        seq_len=row.tokens,
+        dtype=dtype,
+        device=device,
+    )
+    return reference, peer
+
+
 def run_row(
     row: Row,
     *,
@@ -202,16 +217,7 @@ def run_row(
     peak = matmul_peak(*_dominant_gemm(row), dtype=dtype, device=device)
     # The weights every stack starts from (peers copy them); each stack's own module is dropped once measured, so
     # at most two copies of the row's weights are alive.
-    reference = _build_layer(row, experts_impl="auto", dtype=dtype, device=device)
-    peer = peers.build_peer(
-        row.kind,
-        model_cfg=row.model,
-        nemo_layer=reference,
-        layer_idx=row.layer_idx,
-        seq_len=row.tokens,
-        dtype=dtype,
-        device=device,
-    )
+    reference, peer = reference_and_peer(row, dtype=dtype, device=device)
     peer_params = list(peer.module.parameters())
     measured = _measure(peer.run, peer_params, x, grad, device=device, repeats=repeats, held=True)
     measured.update(stack="transformers", ac="none", impl=peer.impl, compile_s=None, profile="")

@@ -46,16 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         held = held_bytes(lambda: fn(x.detach().requires_grad_()), device=device) + x.nbytes
         found[name] = (peak_bytes(step, device=device), held)
 
-    reference = fl._build_layer(row, experts_impl="auto", dtype=dtype, device=device)
-    peer = peers.build_peer(
-        row.kind,
-        model_cfg=row.model,
-        nemo_layer=reference,
-        layer_idx=row.layer_idx,
-        seq_len=row.tokens,
-        dtype=dtype,
-        device=device,
-    )
+    reference, peer = fl.reference_and_peer(row, dtype=dtype, device=device)
     measure("transformers", peer.run, list(peer.module.parameters()))
     del peer, reference
     for name, ac in (("nemo_ac no-AC", "none"), (f"nemo_ac {row.ac_mode} AC", row.ac_mode)):
