@@ -51,6 +51,13 @@ def unpermute_tokens(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return rows.index_select(0, inverse_permutation(order))
 
 
+def _weighted_sum_fp32(rows: torch.Tensor, top_scores: torch.Tensor) -> torch.Tensor:
+    """``sum_k rows[t, k] * scores[t, k]`` accumulated in fp32, returned in ``rows.dtype`` (autograd's form)."""
+    t, k = top_scores.shape
+    weighted = rows.view(t, k, -1).to(torch.float32) * top_scores.to(torch.float32).unsqueeze(-1)
+    return weighted.sum(dim=1).to(rows.dtype)
+
+
 class _WeightedCombine(torch.autograd.Function):
     """``sum_k rows[t, k] * scores[t, k]`` in fp32, keeping ``rows`` in its own dtype for backward.
 
@@ -61,10 +68,8 @@ class _WeightedCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, rows: torch.Tensor, top_scores: torch.Tensor) -> torch.Tensor:
-        t, k = top_scores.shape
         ctx.save_for_backward(rows, top_scores)
-        weighted = rows.view(t, k, -1).to(torch.float32) * top_scores.to(torch.float32).unsqueeze(-1)
-        return weighted.sum(dim=1).to(rows.dtype)
+        return _weighted_sum_fp32(rows, top_scores)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -97,9 +102,7 @@ def weighted_combine(rows: torch.Tensor, top_scores: torch.Tensor) -> torch.Tens
     (counter ``autograd_cache_bypass``): a warm ``make run`` then re-traced its MoE graphs.
     """
     if torch.compiler.is_compiling():
-        t, k = top_scores.shape
-        weighted = rows.view(t, k, -1).to(torch.float32) * top_scores.to(torch.float32).unsqueeze(-1)
-        return weighted.sum(dim=1).to(rows.dtype)
+        return _weighted_sum_fp32(rows, top_scores)
     return _WeightedCombine.apply(rows, top_scores)
 
 
