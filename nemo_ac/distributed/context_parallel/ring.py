@@ -257,5 +257,7 @@ def ring_kernel_step(
         min_k_pos=meta.local_k_slice,
         max_back=torch.sym_min(meta.max_seqlen_q, meta.max_seqlen_k),
     )
-    out = out.transpose(1, 2)  # [B, h, 2c, d], as merge_partials takes it
+    # [B, h, 2c, d], as merge_partials takes it; the kernels return ``out`` in q's dtype and ``lse`` in fp32, and the
+    # steps merge in fp32 (as ring flash-attention merges the fused kernels' bf16 step outputs).
+    out = out.transpose(1, 2).to(lse.dtype)
     return (out, lse) if acc is None else merge_partials(acc[0], acc[1], out, lse)

@@ -102,7 +102,7 @@ def tiled_packed_attention(
 ) -> torch.Tensor:
     """``backend.attention: tiled``: q [B, S, nh, hd], k/v [B, S, nkv, hd] -> [B, S, nh, hd], no [S, S] tensor."""
     out, _ = packed_attention(q, k, v, scale=scale, **_local_kernel_inputs(q, attn))
-    return out.to(q.dtype)
+    return out
 
 
 def flex_packed_attention_op(
@@ -110,7 +110,7 @@ def flex_packed_attention_op(
 ) -> torch.Tensor:
     """``backend.attention: flex``: FlexAttention with a document block mask (CUDA)."""
     out, _ = flex_packed_attention(q, k, v, scale=scale, **_local_kernel_inputs(q, attn))
-    return out.to(q.dtype)
+    return out
 
 
 def set_attention_kernel(layers: nn.Module, *, kernel: str) -> int:

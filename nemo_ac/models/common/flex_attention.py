@@ -57,7 +57,7 @@ def flex_packed_attention(
     max_back: int = UNBOUNDED,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``packed_attention``'s contract on FlexAttention: q [B, Sq, h, d], k / v [B, Sk, hkv, d] ->
-    ``(out [B, Sq, h, d], lse [B, h, Sq])`` in fp32."""
+    ``(out [B, Sq, h, d], lse [B, h, Sq])``, ``out`` in q's dtype and ``lse`` in fp32."""
     flex_attention, create_block_mask, aux_request = _flex()
     b, sq, _, d = q.shape
     sk = k.shape[1]
@@ -83,4 +83,4 @@ def flex_packed_attention(
         else:  # releases before AuxRequest
             out, lse = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), return_lse=True, **kwargs)
     acc = torch.promote_types(q.dtype, torch.float32)
-    return out.transpose(1, 2).to(acc), lse.to(acc)
+    return out.transpose(1, 2), lse.to(acc)

@@ -100,11 +100,14 @@ def span_plan(q: torch.Tensor, ids: PackedIds, *, tile: int) -> spans.SpanPlan |
 def packed_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: PackedIds, *, scale: float, tile: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's forward: the dense spans where ``span_plan`` allows them, else the tiled loop."""
+    """The op's forward: the dense spans where ``span_plan`` allows them, else the tiled loop. Both accumulate in
+    fp32; ``out`` leaves in q's dtype (see ``packed_attention_op``)."""
     plan = span_plan(q, ids, tile=tile)
     if plan is not None:
-        return spans.spans_forward(q, k, v, plan, scale=scale)
-    return tiled_attention_forward(q, k, v, ids, scale=scale, tile=tile)
+        out, lse = spans.spans_forward(q, k, v, plan, scale=scale)
+    else:
+        out, lse = tiled_attention_forward(q, k, v, ids, scale=scale, tile=tile)
+    return out.to(q.dtype), lse
 
 
 def packed_attention_backward(
@@ -144,7 +147,15 @@ def packed_attention_op(
     min_k_pos: int,
     max_back: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, Sq, h, d], lse [B, h, Sq])`` in fp32 (or wider); see the module docstring."""
+    """``(out [B, Sq, h, d] in q's dtype, lse [B, h, Sq] in fp32, or fp64 for fp64 inputs)``; see the module
+    docstring.
+
+    ``out`` leaves in q's dtype, as SDPA's and flash-attn's do: with an fp32 ``out`` every bf16 call paid four
+    full-size casts around the op (fp32 out -> bf16 for o_proj, its grad back to fp32, both cast again for the fused
+    kernel's backward) and saved a twice-as-large ``out`` for backward; one bf16 document at 2k ran at 1.22x SDPA's
+    time (profile: ``aten::copy_ <- aten::_to_copy <- aten::to <- tiled_packed_attention``). ``lse`` stays fp32: the
+    ring merges step results with it, and ``merge_partials`` upcasts the bf16 partial ``out`` to fp32 as it weighs
+    them."""
     ids = PackedIds(q_doc=q_doc, k_doc=k_doc, q_pos=q_pos, k_pos=k_pos, min_k_pos=min_k_pos, max_back=max_back)
     return packed_attention_forward(q, k, v, ids, scale=scale, tile=tile)
 
@@ -152,8 +163,7 @@ def packed_attention_op(
 @packed_attention_op.register_fake
 def _(q, k, v, q_doc, k_doc, q_pos, k_pos, scale, tile, min_k_pos, max_back):
     b, sq, h, _ = q.shape
-    acc = _acc_dtype(q.dtype)
-    return q.new_empty(q.shape, dtype=acc), q.new_empty((b, h, sq), dtype=acc)
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=_acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("nemo_ac::packed_attention_backward", mutates_args=())
@@ -223,8 +233,8 @@ def packed_attention(
     a document (``q_doc`` [B, Sq], ``k_doc`` [B, Sk], -1 = padding) and ``k_pos[j] <= q_pos[i]`` (global positions,
     [Sq] / [Sk] or per row) and, a bound on the work, ``min_k_pos <= k_pos[j]`` and ``q_pos[i] - k_pos[j] <
     max_back`` (the per-micro-batch ints: the longest document, ring CP's ``local_k_slice``); or ``k_pos[j] ==
-    q_pos[i]``. Returns ``(out [B, Sq, h, d], lse [B, h, Sq])`` in fp32
-    (fp64 for fp64 inputs)."""
+    q_pos[i]``. Returns ``(out [B, Sq, h, d], lse [B, h, Sq])``: ``out`` in q's dtype, ``lse`` in fp32 (fp64 for
+    fp64 inputs)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     tile = DEFAULT_TILE if tile is None else tile
     return packed_attention_op(

@@ -233,13 +233,15 @@ def _fill_gaps(cover: _Coverage, dst: torch.Tensor, value: float, *, dim: int) -
 def spans_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SpanPlan, *, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, Sq, h, d], lse [B, h, Sq])`` in fp32 (fp64 for fp64 inputs); rows without a visible key: 0, -inf."""
+    """``(out [B, Sq, h, d] in q's dtype, lse [B, h, Sq] in fp32, fp64 for fp64 inputs)``; rows without a visible
+    key: 0, -inf. Several blocks of one query run merge in fp32; a whole-call block returns the kernel's results
+    as they are (no cast, no copy)."""
     b, sq, h, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
     whole = plan.whole(sq, k.shape[1]) if b == 1 else None
     if whole is not None:
         o, whole_lse = _FLASH(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, whole.causal, scale=scale)
-        return o.transpose(1, 2).to(acc), whole_lse.to(acc).contiguous()
+        return o.transpose(1, 2), whole_lse.to(acc).contiguous()
     out = torch.empty((b, sq, h, d), dtype=acc, device=q.device)
     lse = torch.empty((b, h, sq), dtype=acc, device=q.device)
     cover = _Coverage(b, sq)
@@ -273,7 +275,7 @@ def spans_forward(
         _merge_into(o_cur, l_cur.transpose(0, 1), vs, s.transpose(0, 1))
         flat_out[plan.self_q] = o_cur
         lse.copy_(flat_lse.index_put((plan.self_q,), l_cur).view(b, sq, h).transpose(1, 2))
-    return out, lse
+    return out.to(q.dtype), lse
 
 
 def _lowered_out(out: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> torch.Tensor | None:
@@ -303,14 +305,14 @@ def spans_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """dq, dk, dv of ``spans_forward`` (None: see ``_lowered_out``)."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    grad_out = grad_out.to(acc)
-    kernel_out = out.to(acc)
+    kernel_out = out
     if grad_lse is not None and bool((grad_lse != 0).any()):
-        lowered = _lowered_out(kernel_out, grad_out, grad_lse.to(acc))
+        lowered = _lowered_out(out.to(acc), grad_out.to(acc), grad_lse.to(acc))
         if lowered is None:
             return None
         kernel_out = lowered
-    do_k, out_k = grad_out.to(q.dtype), kernel_out.to(q.dtype)  # the kernel takes one dtype
+    # The kernel takes one dtype; dO and out arrive in q's (the op's contract): no cast without a grad_lse.
+    do_k, out_k = grad_out.to(q.dtype), kernel_out.to(q.dtype)
     whole = plan.whole(q.shape[1], k.shape[1]) if q.shape[0] == 1 else None
     if whole is not None:
         grads = _FLASH_BACKWARD(
@@ -340,7 +342,7 @@ def spans_backward(
     _fill_gaps(k_cover, dk, 0.0, dim=1)
     _fill_gaps(k_cover, dv, 0.0, dim=1)
     if plan.self_q.numel():
-        _self_backward(grad_out, grad_lse, q, k, v, out.to(acc), lse.to(acc), plan, scale, dq, dk, dv)
+        _self_backward(grad_out.to(acc), grad_lse, q, k, v, out.to(acc), lse.to(acc), plan, scale, dq, dk, dv)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -204,7 +204,7 @@ def tiled_attention_forward(
     pairs_per_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's forward in plain torch: ``(out [B, Sq, h, d], lse [B, h, Sq])``, both in fp32 (or wider, for fp64
-    inputs): the ring merges partial results at that precision; the local path casts ``out`` back.
+    inputs): the online softmax accumulates at that precision; the op casts ``out`` to q's dtype.
 
     A query row with no visible key (possible in a ring step) gets out 0 and lse -inf.
     """

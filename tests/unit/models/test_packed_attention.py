@@ -26,7 +26,7 @@ from nemo_ac.models.common.packed_attention import (
     visible_tile_pairs,
 )
 from nemo_ac.models.common.packed_attention_spans import plan_spans
-from tests.factories import emulated_ring, emulated_ring_qkv, ring_docs, ring_reference
+from tests.factories import emulated_ring, emulated_ring_qkv, ring_docs, ring_reference, saved_bytes
 
 
 def _row(lengths: list[int], pad: int = 0) -> torch.Tensor:
@@ -185,6 +185,23 @@ def test_bf16_spans_match_the_fp32_reference(docs):
 
     for err, sdpa_err in zip(errors(tiled_packed_attention), errors(packed_causal_attention)):
         assert err <= min(2 * sdpa_err, 1e-2), (err, sdpa_err)
+
+
+@pytest.mark.parametrize("docs", [[256], [64] * 4], ids=["one_document", "mean_64"])
+@pytest.mark.parametrize("tile", [TILE_AUTO, 32], ids=["auto", "tiles"])
+def test_bf16_out_leaves_in_q_dtype_and_is_saved_once(docs, tile):
+    """The op returns ``out`` in q's dtype and ``lse`` in fp32, and the local path keeps nothing else of ``out``:
+    saved for backward are q, k, v, ``out`` in bf16, the fp32 ``lse`` and the ids. With an fp32 ``out`` the local
+    path saved it at twice the size and cast it four times around the op (one bf16 document at 2k: 1.22x SDPA)."""
+    row = _row(docs).unsqueeze(0)
+    q, k, v = (t.detach().bfloat16().requires_grad_() for t in ring_qkv(1, row.shape[1], dtype=torch.float32, hd=16))
+    positions = torch.arange(row.shape[1])
+    out, lse = packed_attention(q, k, v, q_doc=row, k_doc=row, q_pos=positions, k_pos=positions, tile=tile)
+    assert (out.dtype, lse.dtype) == (torch.bfloat16, torch.float32)
+    attn = build_attention_inputs(row)
+    ids = row.numel() * row.element_size() + positions.numel() * positions.element_size()
+    bound = sum(t.numel() * 2 for t in (q, k, v, out)) + lse.numel() * 4 + ids
+    assert saved_bytes(tiled_packed_attention, q, k, v, attn) <= bound
 
 
 class _LargestTensor(TorchDispatchMode):
