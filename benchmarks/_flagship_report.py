@@ -130,37 +130,56 @@ def render(rows: list[dict[str, Any]], records: list[dict[str, Any]], *, automod
     )
 
 
-def chart(records: list[dict[str, Any]], path: Path) -> None:
-    """Achieved / peak per row, nemo_ac (no-AC) beside transformers (and Automodel), one panel per dtype."""
-    try:
-        import matplotlib
+STACK_COLORS = {"nemo_ac no-AC": (20, 160, 60), "transformers": (230, 120, 0), "automodel": (40, 110, 220)}
+CHART_W, PANEL_H, MARGIN = 1000, 250, 40
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+
+def chart(records: list[dict[str, Any]], path: Path) -> None:
+    """Achieved / peak per row, nemo_ac (no-AC) beside transformers (and Automodel), one panel per dtype. Drawn
+    with Pillow (the venv's image library), so the chart needs no plotting package."""
+    try:
+        from PIL import Image, ImageDraw
     except ImportError:
-        print("matplotlib is not installed (pip install matplotlib): no chart", file=sys.stderr)
+        print("Pillow is not installed (pip install pillow): no chart", file=sys.stderr)
         return
     dtypes = sorted({r["dtype"] for r in records})
-    fig, axes = plt.subplots(len(dtypes), 1, figsize=(11, 3.2 * len(dtypes)), squeeze=False)
-    for ax, dtype in zip(axes[:, 0], dtypes, strict=True):
-        stacks = [s for s in ("nemo_ac no-AC", "transformers", "automodel") if any(r["stack"] == s for r in records)]
+    stacks = [s for s in STACK_COLORS if any(r["stack"] == s for r in records)]
+    image = Image.new("RGB", (CHART_W, len(dtypes) * PANEL_H + 50), "white")
+    draw = ImageDraw.Draw(image)
+    for index, dtype in enumerate(dtypes):
         keep = [r for r in records if r["dtype"] == dtype and r["stack"] in stacks]
-        labels = sorted({f"{r['flagship'].split('_')[0]} {r['sub_block']}" for r in keep}, key=str)
-        width = 0.8 / len(stacks)
-        for n, stack in enumerate(stacks):
-            offset = (n - (len(stacks) - 1) / 2) * width
-            values = {
-                f"{r['flagship'].split('_')[0]} {r['sub_block']}": r["achieved_over_peak"]
-                for r in keep
-                if r["stack"] == stack
-            }
-            ax.bar(
-                [i + offset for i in range(len(labels))], [values.get(label, 0) for label in labels], width, label=stack
-            )
-        ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("achieved / matmul peak")
-        ax.set_title(f"{dtype}: model FLOP/s over this machine's F.linear at the row's dominant GEMM")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+        _bar_panel(draw, keep, stacks, title=dtype, y0=index * PANEL_H)
+    y = len(dtypes) * PANEL_H + 8
+    for n, stack in enumerate(stacks):
+        draw.rectangle((10 + n * 170, y, 20 + n * 170, y + 10), fill=STACK_COLORS[stack])
+        draw.text((26 + n * 170, y - 1), stack, fill="black")
+    draw.text((10, y + 22), "y: model FLOP/s over this machine's F.linear at the row's dominant GEMM", fill="black")
+    image.save(path)
     print(f"wrote {path}", file=sys.stderr)
+
+
+def _label(record: dict[str, Any]) -> str:
+    return f"{record['flagship'].split('_')[0]} {record['sub_block']}"
+
+
+def _bar_panel(draw: Any, records: list[dict[str, Any]], stacks: list[str], *, title: str, y0: int) -> None:
+    labels = sorted({_label(r) for r in records})
+    values = {(_label(r), r["stack"]): r["achieved_over_peak"] or 0.0 for r in records}
+    top_value = max([1.0, *values.values()])
+    left, top, right, bottom = MARGIN, y0 + 22, CHART_W - 10, y0 + PANEL_H - 48
+    draw.text((left, y0 + 4), f"{title}: achieved / matmul peak", fill="black")
+    draw.rectangle((left, top, right, bottom), outline=(180, 180, 180))
+    for tick in (0.25, 0.5, 0.75, 1.0):
+        y = bottom - (bottom - top) * tick / top_value
+        draw.line((left, y, right, y), fill=(230, 230, 230))
+        draw.text((4, y - 6), f"{tick:.2f}", fill=(90, 90, 90))
+    slot = (right - left) / max(len(labels), 1)
+    bar = slot * 0.8 / max(len(stacks), 1)
+    for i, label in enumerate(labels):
+        x = left + i * slot + slot * 0.1
+        for n, stack in enumerate(stacks):
+            value = values.get((label, stack))
+            if value:
+                y = bottom - (bottom - top) * value / top_value
+                draw.rectangle((x + n * bar, y, x + (n + 1) * bar - 2, bottom), fill=STACK_COLORS[stack])
+        draw.text((x, bottom + 4 + 12 * (i % 2)), label[:24], fill="black")
