@@ -274,6 +274,19 @@ def saved_bytes(fn, *args) -> int:
     return sum(storages.values())
 
 
+def peak_bytes(step) -> int:
+    """Peak bytes allocated during ``step()`` and not yet freed, above what existed before it: the profiler's CPU
+    allocation events, the measure of ``benchmarks/_measure.peak_bytes`` (flagship_memory.py's peak) on CPU."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:  # allocations positive, frees negative, in time order
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to max |b|."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()

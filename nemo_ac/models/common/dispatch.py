@@ -58,35 +58,53 @@ def _weighted_sum_fp32(rows: torch.Tensor, top_scores: torch.Tensor) -> torch.Te
     return weighted.sum(dim=1).to(rows.dtype)
 
 
+_COMBINE_CHUNKS = 8
+
+
+def _token_chunks(tokens: int) -> list[slice]:
+    """At most ``_COMBINE_CHUNKS`` slices of the tokens: the combine's fp32 temporaries are one chunk's, so at most
+    an eighth of their unchunked size, for a fixed number of kernel launches whatever the size."""
+    step = max(1, -(-tokens // _COMBINE_CHUNKS))
+    return [slice(start, min(start + step, tokens)) for start in range(0, tokens, step)]
+
+
 class _WeightedCombine(torch.autograd.Function):
     """``sum_k rows[t, k] * scores[t, k]`` in fp32, keeping ``rows`` in its own dtype for backward.
 
     Written with autograd's ops, the fp32 product saved the fp32 upcast of every expert output row for the scores'
     gradient: with bf16 rows that is 2x the rows' bytes (16 MiB on Qwen3.6's MoE FFN row at 1024 tokens where
     transformers keeps its 8 MiB bf16 rows). The backward casts inside and computes what autograd computed.
+
+    Forward and backward run over token chunks (``_token_chunks``): each token's result is the same op on the same
+    values, only the fp32 temporaries shrink. Unchunked, the backward's fp32 [T, H] gradient and product (16 MiB
+    each at Qwen3.6's bf16 MoE row, 2048 tokens) set that row's peak at 1.04x transformers', whose bf16 combine
+    makes none; the forward's fp32 [T, k, H] upcast and product came second, at 1.00x.
     """
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, rows: torch.Tensor, top_scores: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(rows, top_scores)
-        return _weighted_sum_fp32(rows, top_scores)
+        t, k = top_scores.shape
+        slots = rows.view(t, k, -1)
+        out = rows.new_empty(t, slots.shape[-1])
+        for chunk in _token_chunks(t):
+            out[chunk] = _weighted_sum_fp32(slots[chunk].reshape(-1, slots.shape[-1]), top_scores[chunk])
+        return out
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows, top_scores = ctx.saved_tensors
         t, k = top_scores.shape
-        # One slot at a time: the fp32 temporaries are [T, H], not [T, k, H] (autograd's form made two of those in
-        # backward, 2x the bf16 rows' bytes each, and set the bf16 MoE row's peak).
-        grad32 = grad_out.to(torch.float32)  # [T, H]
-        scores32 = top_scores.to(torch.float32)
         slots = rows.view(t, k, -1)
+        scores32 = top_scores.to(torch.float32).unsqueeze(-1)  # [T, k, 1]
         grad_rows = torch.empty_like(slots) if ctx.needs_input_grad[0] else None
         grad_scores = torch.empty_like(top_scores) if ctx.needs_input_grad[1] else None
-        for j in range(k):
+        for chunk in _token_chunks(t):
+            grad32 = grad_out[chunk].to(torch.float32).unsqueeze(1)  # [c, 1, H]: autograd's ToCopy + Sum backward
             if grad_rows is not None:
-                grad_rows[:, j] = grad32 * scores32[:, j : j + 1]
+                grad_rows[chunk] = grad32 * scores32[chunk]
             if grad_scores is not None:
-                grad_scores[:, j] = (grad32 * slots[:, j].to(torch.float32)).sum(dim=-1)
+                grad_scores[chunk] = (grad32 * slots[chunk].to(torch.float32)).sum(dim=-1)
         if grad_rows is not None:
             grad_rows = grad_rows.view(t * k, -1)
         return grad_rows, grad_scores
