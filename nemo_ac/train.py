@@ -92,7 +92,12 @@ def run(
     if compile_accounting is not None and env.is_main:
         echo(
             f"compile | {plan.compile.backend} | layouts: {', '.join(map(str, plan.compile_layouts()))}"
-            + (" | one compile per graph per node (compile.node_shared_cache)" if plan.compile.node_shared() else "")
+            + (
+                " | one compile per graph per node (compile.node_shared_cache; EP / CP collectives name their group "
+                "by its mesh dim)"
+                if plan.compile.node_shared()
+                else ""
+            )
         )
     throughput = measure_throughput_basis(recipe, layout, env)  # every rank: the CPU probe runs under contention
     if env.is_main:

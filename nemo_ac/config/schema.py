@@ -308,7 +308,9 @@ class CompileConfig:
     dynamic: bool | None = None
     # backend inductor: one compile per graph per node. Each graph's compile holds a file lock in inductor's cache
     # dir (TORCHINDUCTOR_CACHE_DIR, shared by a node's ranks): the first rank compiles, the others wait and load its
-    # artifacts from the cache instead of compiling the same graph at the same time (docs/compile.md).
+    # artifacts from the cache instead of compiling the same graph at the same time. The CP ops' and the torch EP
+    # dispatcher's collectives then address their group by its mesh dim (nemo_ac:cp, nemo_ac:ep) instead of the
+    # group's own rank-specific name, so ranks in different EP / CP groups share those graphs too (docs/compile.md).
     node_shared_cache: bool = True
 
 

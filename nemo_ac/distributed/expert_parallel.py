@@ -33,10 +33,11 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from nemo_ac.distributed.blocks import decoder_layers, routed_moe
 from nemo_ac.distributed.plan import CompileLayout, ParallelPlan
 from nemo_ac.models.common.dispatch import permute_tokens, sort_by_expert, unpermute_tokens, weighted_combine
+from nemo_ac.workarounds.shared_group_names import shared_group_name
 
 
 def all_to_all_rows(
-    rows: torch.Tensor, *, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+    rows: torch.Tensor, *, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup | str
 ) -> torch.Tensor:
     """Differentiable all-to-all over dim 0 with uneven split sizes; backward sends gradients the reverse way."""
     return funcol.all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, group)
@@ -71,10 +72,17 @@ class EPDispatchContext:
 
 
 class AllToAllDispatcher:
-    """Expert-parallel dispatcher over a process group of ``ep`` ranks (rank r owns experts r*E_l ... r*E_l+E_l-1)."""
+    """Expert-parallel dispatcher over a process group of ``ep`` ranks (rank r owns experts r*E_l ... r*E_l+E_l-1).
 
-    def __init__(self, *, group: dist.ProcessGroup, num_experts: int) -> None:
+    ``collective_group``: what the functional collectives are given for ``group`` (default ``group`` itself); a
+    name that is the same on every rank (``workarounds.shared_group_names``) makes compiled graphs rank-independent.
+    """
+
+    def __init__(
+        self, *, group: dist.ProcessGroup, num_experts: int, collective_group: dist.ProcessGroup | str | None = None
+    ) -> None:
         self.group = group
+        self.collective_group = collective_group if collective_group is not None else group
         self.ep_size = dist.get_world_size(group)
         if num_experts % self.ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the ep group size {self.ep_size}")
@@ -83,7 +91,7 @@ class AllToAllDispatcher:
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """[E] counts this rank sends per global expert -> [ep, E_local] counts it receives per source rank."""
-        received = funcol.all_to_all_single(counts, None, None, self.group)
+        received = funcol.all_to_all_single(counts, None, None, self.collective_group)
         return received.view(self.ep_size, self.num_local_experts)
 
     def split_sizes(self, counts: torch.Tensor, recv_counts: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -107,7 +115,9 @@ class AllToAllDispatcher:
         rows = permute_tokens(hidden, order, top_idx.shape[-1])
         recv_counts = self._exchange_counts(counts)
         send_splits, recv_splits = self.split_sizes(counts, recv_counts)
-        received = all_to_all_rows(rows, output_splits=recv_splits, input_splits=send_splits, group=self.group)
+        received = all_to_all_rows(
+            rows, output_splits=recv_splits, input_splits=send_splits, group=self.collective_group
+        )
         local_order, tokens_per_local_expert = source_major_to_expert_major(recv_counts, total_rows=sum(recv_splits))
         ctx = EPDispatchContext(order=order, local_order=local_order, send_splits=send_splits, recv_splits=recv_splits)
         return received.index_select(0, local_order), tokens_per_local_expert, ctx
@@ -115,7 +125,7 @@ class AllToAllDispatcher:
     def combine(self, expert_out: torch.Tensor, top_scores: torch.Tensor, ctx: EPDispatchContext) -> torch.Tensor:
         source_major = unpermute_tokens(expert_out, ctx.local_order)
         returned = all_to_all_rows(
-            source_major, output_splits=ctx.send_splits, input_splits=ctx.recv_splits, group=self.group
+            source_major, output_splits=ctx.send_splits, input_splits=ctx.recv_splits, group=self.collective_group
         )
         return weighted_combine(unpermute_tokens(returned, ctx.order), top_scores)
 
@@ -151,14 +161,19 @@ def build_dispatcher(
     num_experts: int,
     deepep_between_graphs: bool = True,
     deepep_buffer_cls: type | None = None,
+    shared_group_names: bool = False,
 ):
     """The dispatcher for ``backend.dispatcher``; deepep is imported only when asked for.
 
     Dispatchers keep no per-call state (``dispatch`` returns it as ``ctx``), so one instance serves every layer.
     deepep_buffer_cls: the ``deep_ep.Buffer`` implementation (None: DeepEP's own; tests pass the gloo stand-in).
+    shared_group_names: the torch dispatcher's collectives address this rank's EP group by a name that is the same on
+    every rank (``workarounds.shared_group_names``), so its compiled graphs are equal across EP groups.
     """
     if kind == "torch":
-        return AllToAllDispatcher(group=ep_mesh.get_group(), num_experts=num_experts)
+        group = ep_mesh.get_group()
+        collective_group = shared_group_name(group, role="ep") if shared_group_names else None
+        return AllToAllDispatcher(group=group, num_experts=num_experts, collective_group=collective_group)
     if kind == "deepep":
         from nemo_ac.distributed.deepep_dispatcher import DeepEPDispatcher
 
@@ -198,6 +213,7 @@ def apply_ep(
         num_experts=num_experts.pop(),
         deepep_between_graphs=deepep_between_compiled_graphs(plan),
         deepep_buffer_cls=deepep_buffer_cls,
+        shared_group_names=plan.compile is not None and plan.compile.node_shared(),
     )
     for moe in moes:
         shard_experts(moe.experts_module(), ep_mesh=ep_mesh)

@@ -10,6 +10,7 @@ Dynamo), and either returns what it saw or raises. Cheap: all of them together r
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import os
@@ -29,6 +30,7 @@ from nemo_ac.doctor.isolation import fresh_dynamo, private_sac_ignored_ops
 from nemo_ac.workarounds import dynamo_compile_events as events
 from nemo_ac.workarounds import fake_world
 from nemo_ac.workarounds import node_shared_compile as node_shared
+from nemo_ac.workarounds import shared_group_names as shared_names
 from nemo_ac.workarounds.autograd_inside_op import autograd_inside_op
 from nemo_ac.workarounds.dynamo_disable_marker import is_dynamo_disabled
 from nemo_ac.workarounds.dynamo_settings import dynamo_setting, dynamo_settings_patched
@@ -207,6 +209,44 @@ def check_node_shared_compile() -> Facts:
     return {"cache_dir": str(cache), "counters": node_shared.compile_cache_counts()}
 
 
+def check_shared_group_names() -> Facts:
+    """Two groups over the same ranks (this process's world of one rank, else a fake world of two): one registered
+    under its role's name resolves by it (what compiled code does), a traced functional collective carries that name,
+    and the other group does not take the name over."""
+    if not shared_names.available():
+        raise AssertionError("torch no longer registers / resolves a process group under a second name")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return {"skipped": "needs every rank to create groups; run in a process of its own"}
+    world = contextlib.nullcontext() if dist.is_initialized() else fake_world.fake_process_group(rank=0, world_size=2)
+    with world:
+        ranks = list(range(dist.get_world_size()))
+        first, second = dist.new_group(ranks), dist.new_group(ranks)
+        try:
+            facts = _shared_group_name_facts(first, second)
+        finally:
+            shared_names.release_shared_group_name(role="doctor")
+    return facts
+
+
+def _shared_group_name_facts(first: dist.ProcessGroup, second: dist.ProcessGroup) -> Facts:
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    name = shared_names.shared_group_name(first, role="doctor")
+    if name != shared_names.PREFIX + "doctor" or shared_names.shared_group_name(first, role="doctor") != name:
+        raise AssertionError(f"the role's name was not registered for the group (got {name!r})")
+    if fake_world.process_group_of(name) != first:
+        raise AssertionError(f"{name!r} does not resolve to the group it was registered for")
+    if shared_names.shared_group_name(second, role="doctor") is not second:
+        raise AssertionError("a second group took over a name another group of this process holds")
+    graph = make_fx(lambda x: funcol.all_to_all_single(x, None, None, name) * 1)(
+        torch.ones(2 * len(dist.get_process_group_ranks(first)))
+    )
+    if repr(name) not in graph.code or repr(first.group_name) in graph.code:
+        raise AssertionError(f"the traced collective does not address the group by {name!r}:\n{graph.code}")
+    return {"name": name, "own_name": first.group_name, "traced": "the collective carries the shared name"}
+
+
 def _lock_free(path: Path) -> bool:
     fd = os.open(path, os.O_RDWR)
     try:
@@ -246,6 +286,7 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("partitioner_op_list", "the partitioner's compute-intensive ops", check_partitioner_op_list),
     CheckSpec("fake_world", "fake tensors, graph-task id, groups by name", check_fake_world),
     CheckSpec("node_shared_compile", "inductor compiles under a node lock, cache counters", check_node_shared_compile),
+    CheckSpec("shared_group_names", "a process group under a second, per-role name", check_shared_group_names),
     CheckSpec("mem_tracker_global_peak", "the memory tracker's peak update and state", check_mem_tracker_global_peak),
 )
 

@@ -67,7 +67,7 @@ class AssumedSplitsDispatcher(AllToAllDispatcher):
     (the only override: sorting, permutation, the count exchange and both all-to-alls run as in training)."""
 
     def __init__(self, *, inner: AllToAllDispatcher, assumption: RoutingAssumption, rank: int) -> None:
-        super().__init__(group=inner.group, num_experts=inner.num_experts)
+        super().__init__(group=inner.group, num_experts=inner.num_experts, collective_group=inner.collective_group)
         self.assumption = assumption
         self.rank = rank
         self._rows = 0  # (token, slot) rows of the dispatch in progress

@@ -19,7 +19,8 @@ over it would make each rank trace after the previous one's compile (AOTAutograd
 trace here: with a lazily compiled backward its entry is written only once the backward compiled).
 
 The lock is per graph (a hash of the graph's code and its inputs' shapes, dtypes and strides), so ranks compiling
-different graphs (rank-specific graphs: a collective's process group name is part of the graph) still compile in
+different graphs (rank-specific graphs: a CP rank's head slice, a DTensor's mesh; ``shared_group_names`` keeps the
+process group's name out of them) still compile in
 parallel; a thread already holding a lock takes it again without waiting. Once a compile of a graph finished, a
 ``.done`` marker next to its lock lets later compiles of it (a warm run: every rank hits the cache) skip the lock
 instead of loading one rank at a time. The lock and the marker only order compiles: the caches decide what is

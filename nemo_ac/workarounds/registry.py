@@ -269,6 +269,16 @@ TECHNIQUES: tuple[Workaround, ...] = (
         "compile with the node's other ranks",
     ),
     technique(
+        name="shared_group_names",
+        title="one name per mesh dim for the groups compiled collectives use (graphs equal across EP / CP groups)",
+        relies_on="torch._C._distributed_c10d._register_process_group / _unregister_process_group and "
+        "torch.distributed.distributed_c10d._resolve_process_group",
+        applied="the CP ops' and the torch EP dispatcher's functional collectives when compile.node_shared_cache "
+        "applies (distributed.context_parallel.apply_cp, distributed.expert_parallel.build_dispatcher)",
+        delete_when="torch names a mesh dim's groups alike on every rank, or keys compiled collectives by an opaque "
+        "group input instead of the group's name",
+    ),
+    technique(
         name="mem_tracker_global_peak",
         title="FSDPMemTracker keeping only the global peak (per-op cost grew with every module seen)",
         relies_on="MemTracker._update_peak_stats (overridden) and the tracker's _curr_mem_snap, _peak_mem, "

@@ -29,6 +29,7 @@ from nemo_ac.distributed.context_parallel.state_passing import ring_linear_atten
 from nemo_ac.distributed.context_parallel.ulysses import ulysses_attention, ulysses_linear_attention, ulysses_ssm
 from nemo_ac.distributed.plan import ParallelPlan
 from nemo_ac.models.interfaces import SequenceMixer
+from nemo_ac.workarounds.shared_group_names import shared_group_name
 
 __all__ = [
     "RingAttentionInputs",
@@ -69,6 +70,10 @@ def apply_cp(model: nn.Module, *, plan: ParallelPlan, cp_mesh: DeviceMesh | None
     if cp_mesh is None:
         return
     group, rank, size = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
+    if plan.compile is not None and plan.compile.node_shared():
+        # One name for this rank's CP group on every rank: compiled graphs equal across CP groups share one compile
+        # per node (workarounds.shared_group_names); the ops only hand the group to functional collectives.
+        group = shared_group_name(group, role="cp")
     for block in decoder_layers(model):
         for mixer in sequence_mixers(block):
             op = _cp_op(

@@ -39,7 +39,7 @@ RING_STEP_KERNELS = {"tiled": packed_attention, "flex": flex_packed_attention}
 RingState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def ring_shift(x: torch.Tensor, *, group: dist.ProcessGroup, cp_rank: int, cp_size: int) -> torch.Tensor:
+def ring_shift(x: torch.Tensor, *, group: dist.ProcessGroup | str, cp_rank: int, cp_size: int) -> torch.Tensor:
     """Send ``x`` to rank ``cp_rank + 1`` and receive rank ``cp_rank - 1``'s (mod ``cp_size``); differentiable."""
     n = x.shape[0]
     send = [n if r == (cp_rank + 1) % cp_size else 0 for r in range(cp_size)]
@@ -162,7 +162,7 @@ def ring_attention(
     v: torch.Tensor,
     attn: AttentionInputs,
     *,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | str,
     cp_rank: int,
     cp_size: int,
     scale: float | None = None,

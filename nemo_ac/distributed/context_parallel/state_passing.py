@@ -78,7 +78,7 @@ def _from_slices(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(2, b2 // 2, c, *t.shape[2:]).transpose(0, 1).reshape(b2 // 2, 2 * c, *t.shape[2:])
 
 
-def gather_slices(x: torch.Tensor, *, group: dist.ProcessGroup, cp_size: int) -> torch.Tensor:
+def gather_slices(x: torch.Tensor, *, group: dist.ProcessGroup | str, cp_size: int) -> torch.Tensor:
     """[2, ...] (this rank's head, tail) -> [2 cp, ...] in global slice order; differentiable (the backward
     reduce-scatters every slice's gradient to its owner)."""
     gathered = funcol.all_gather_single_autograd(x.contiguous(), 0, group)  # [cp * 2, ...], rank-major
@@ -116,7 +116,7 @@ class SliceLayout:
 
 
 def _with_halo(
-    packed: torch.Tensor, *, halo: int, group: dist.ProcessGroup, cp_size: int, cp_rank: int
+    packed: torch.Tensor, *, halo: int, group: dist.ProcessGroup | str, cp_size: int, cp_rank: int
 ) -> torch.Tensor:
     """[B, 2c, F] pre-conv channels -> [2B, halo + c, F]: each local slice with the last ``halo`` tokens of the
     previous global slice in front (zeros before the sequence start)."""
@@ -150,7 +150,7 @@ def ring_linear_attention(
     conv_weights: ConvWeights,
     attn: AttentionInputs,
     *,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | str,
     cp_rank: int,
     cp_size: int,
     chunk_size: int = 64,
@@ -210,7 +210,7 @@ def ring_ssm(
     params: Mamba2CoreParams,
     attn: AttentionInputs,
     *,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | str,
     cp_rank: int,
     cp_size: int,
 ) -> torch.Tensor:

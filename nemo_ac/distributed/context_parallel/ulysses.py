@@ -29,12 +29,14 @@ from nemo_ac.distributed.context_parallel.sharding import UlyssesAttentionInputs
 from nemo_ac.models.interfaces import AttentionInputs
 
 
-def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | str) -> torch.Tensor:
     """Equal-split differentiable all-to-all over dim 0 (chunk ``j`` goes to rank ``j``)."""
     return funcol.all_to_all_single_autograd(x.contiguous(), None, None, group)
 
 
-def seq_to_heads(tensors: Sequence[torch.Tensor], *, group: dist.ProcessGroup, cp_size: int) -> list[torch.Tensor]:
+def seq_to_heads(
+    tensors: Sequence[torch.Tensor], *, group: dist.ProcessGroup | str, cp_size: int
+) -> list[torch.Tensor]:
     """Each [B, s, H_i, *rest] (sequence shard, all heads) -> [B, cp*s, H_i/cp, *rest] (full sequence, this rank's
     heads). Tensors of one dtype travel in one all-to-all."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
@@ -59,7 +61,7 @@ def seq_to_heads(tensors: Sequence[torch.Tensor], *, group: dist.ProcessGroup, c
     return out  # type: ignore[return-value]
 
 
-def heads_to_seq(x: torch.Tensor, *, group: dist.ProcessGroup, cp_size: int) -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, *, group: dist.ProcessGroup | str, cp_size: int) -> torch.Tensor:
     """[B, S, H/cp, *rest] (full sequence, this rank's heads) -> [B, S/cp, H, *rest] (sequence shard, all heads)."""
     b, full_len, h_local = x.shape[:3]
     rest = x.shape[3:]
@@ -92,7 +94,7 @@ def ulysses_attention(
     attn: AttentionInputs,
     *,
     inner: Callable,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | str,
     cp_size: int,
 ) -> torch.Tensor:
     """``Attention.attn_op`` for ``cp_type: ulysses``: q [B, s, nh, d], k/v [B, s, nkv, d] -> [B, s, nh, d] on this
@@ -112,7 +114,7 @@ def ulysses_linear_attention(
     attn: AttentionInputs,
     *,
     inner: Callable,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | str,
     cp_size: int,
     cp_rank: int,
 ) -> torch.Tensor:
@@ -139,7 +141,7 @@ def ulysses_ssm(
     attn: AttentionInputs,
     *,
     inner: Callable,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | str,
     cp_size: int,
     cp_rank: int,
 ) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_ac.config import ConfigError
 from nemo_ac.config.schema import BackendConfig, ModelConfig, MoEConfig
-from nemo_ac.distributed.expert_parallel import AllToAllDispatcher, apply_ep, source_major_to_expert_major
+from nemo_ac.distributed.expert_parallel import apply_ep, build_dispatcher, source_major_to_expert_major
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
 from nemo_ac.models.common.dispatch import LocalDispatcher
@@ -40,8 +40,14 @@ def test_source_major_to_expert_major_all_empty() -> None:
     assert order.numel() == 0 and per_expert.tolist() == [0, 0, 0, 0]
 
 
-def test_all_to_all_dispatcher_on_one_rank_equals_local_dispatcher(world) -> None:
-    """Same rows, counts and combine (values and gradients), expert 3 routed no token."""
+@pytest.mark.parametrize("shared_name", [False, True], ids=["group", "shared_name"])
+def test_all_to_all_dispatcher_on_one_rank_equals_local_dispatcher(world, shared_name: bool) -> None:
+    """Same rows, counts and combine (values and gradients), expert 3 routed no token; also with the collectives
+    addressing the group by its shared name (``build_dispatcher(shared_group_names=True)``, compiled runs)."""
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+    dispatcher_ep = build_dispatcher("torch", ep_mesh=mesh, num_experts=5, shared_group_names=shared_name)
+    assert dispatcher_ep.group is mesh.get_group()
+    assert dispatcher_ep.collective_group == ("nemo_ac:ep" if shared_name else mesh.get_group())
     num_experts = 5
     top_idx = torch.tensor([[0, 1], [0, 2], [4, 0], [1, 0], [0, 4], [2, 1], [0, 1]])
     gen = torch.Generator().manual_seed(0)
@@ -52,7 +58,7 @@ def test_all_to_all_dispatcher_on_one_rank_equals_local_dispatcher(world) -> Non
     hidden = torch.randn(top_idx.shape[0], H, generator=gen)
     scores = torch.rand(top_idx.shape, generator=gen)
     results = []
-    for dispatcher in (LocalDispatcher(), AllToAllDispatcher(group=world, num_experts=num_experts)):
+    for dispatcher in (LocalDispatcher(), dispatcher_ep):
         x, s = hidden.clone().requires_grad_(), scores.clone().requires_grad_()
         experts.zero_grad()
         rows, counts, ctx = dispatcher.dispatch(x, top_idx, num_experts, top_scores=s)
@@ -76,8 +82,6 @@ def test_apply_ep_rejects_deepep_without_ep() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("deep_ep") is not None, reason="deep_ep is installed here")
 def test_deepep_dispatcher_without_deep_ep_names_key_and_install(world) -> None:
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-    from nemo_ac.distributed.expert_parallel import build_dispatcher
-
     with pytest.raises(ConfigError) as info:
         build_dispatcher("deepep", ep_mesh=mesh, num_experts=4)
     message = str(info.value)

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from nemo_ac.config.schema import ModelConfig, MoEConfig, ParallelConfig
+from nemo_ac.config.schema import CompileConfig, ModelConfig, MoEConfig, ParallelConfig
 from nemo_ac.distributed.blocks import decoder_layers
 from nemo_ac.distributed.context_parallel import apply_cp
 from nemo_ac.distributed.context_parallel.ring import ring_attention
@@ -81,3 +81,17 @@ def test_ulysses_wraps_every_mixer_of_a_hybrid_family_and_ring_replaces_each(cp_
     ring = build_model(cfg)
     _apply_cp(ring, cp_mesh=cp_mesh, cp_type="ring")  # attention: the K/V ring; Mamba-2: state passing
     assert {attr: _wrapped(op) for attr, op in _ops(ring)} == {"attn_op": ring_attention, "ssm_op": ring_ssm}
+
+
+@pytest.mark.parametrize("cp_type", ["ulysses", "ring"])
+def test_compiled_cp_ops_address_the_group_by_its_shared_name(cp_mesh, cp_type: str) -> None:
+    """With compile.node_shared_cache (backend inductor) every CP op hands its collectives ``nemo_ac:cp``, the same
+    name on every rank, so the graphs of ranks in different CP groups are equal and compile once per node
+    (workarounds.shared_group_names); otherwise, and without compile, the group itself."""
+    group = cp_mesh.get_group()
+    cases = [(None, group), (CompileConfig(enabled=True, node_shared_cache=False), group)]
+    for compile_config, expected in [*cases, (CompileConfig(enabled=True), "nemo_ac:cp")]:
+        model = build_model(ModelConfig(num_layers=1, moe=MOE))
+        plan = decide_plan(model, parallel=ParallelConfig(cp_type=cp_type), compile=compile_config, cp=2)
+        apply_cp(model, plan=plan, cp_mesh=cp_mesh)
+        assert [op.keywords["group"] for _, op in _ops(model)] == [expected], compile_config
