@@ -6,8 +6,11 @@ Test modules never import each other: what two of them share lives here (or, for
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -274,17 +277,24 @@ def saved_bytes(fn, *args) -> int:
     return sum(storages.values())
 
 
+def benchmark_module(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as module ``benchmarks.<name>``, loaded once by path (``benchmarks/`` is no package:
+    its scripts import each other as top-level modules)."""
+    key = f"benchmarks.{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            key, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        )
+        assert spec is not None and spec.loader is not None
+        sys.modules[key] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
 def peak_bytes(step) -> int:
-    """Peak bytes allocated during ``step()`` and not yet freed, above what existed before it: the profiler's CPU
-    allocation events, the measure of ``benchmarks/_measure.peak_bytes`` (flagship_memory.py's peak) on CPU."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:  # allocations positive, frees negative, in time order
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    """Peak bytes allocated during ``step()`` and not yet freed, above what existed before it: on CPU, the measure of
+    ``benchmarks/_measure.peak_bytes`` (flagship_memory.py's peak; the profiler's allocation events)."""
+    return benchmark_module("_measure").peak_bytes(step, device=torch.device("cpu"))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -3,7 +3,6 @@ input gradient and every parameter gradient agree (fp32, tiny width) for each su
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -15,20 +14,22 @@ ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.factories import PEER_LAYER, PEER_SEQ, PEER_TOL, peer_layers, rel_err, run_side_by_side  # noqa: E402
+from tests.factories import (  # noqa: E402
+    PEER_LAYER,
+    PEER_SEQ,
+    PEER_TOL,
+    benchmark_module,
+    peer_layers,
+    rel_err,
+    run_side_by_side,
+)
 
 pytest.importorskip("transformers", reason="transformers is not importable; the peers need it")
 pytest.importorskip("transformers.models.qwen3_5_moe", reason="this transformers has no qwen3_5_moe")
 
 
 def _peers_module() -> ModuleType:
-    name = "benchmarks._flagship_peers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "_flagship_peers.py")
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return benchmark_module("_flagship_peers")
 
 
 @pytest.mark.parametrize("kind", _peers_module().KINDS)
