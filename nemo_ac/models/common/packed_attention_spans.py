@@ -144,7 +144,7 @@ def plan_spans(ids: PackedIds) -> SpanPlan | None:
         query_runs += len(q_runs)
     # Equal positions (at most one key per query: positions increase) that no block holds: padding attends
     # itself, and so does any query whose own position the window or its document excludes.
-    j = _equal_position_keys(qp, kp, same=q_pos is k_pos)
+    j = _equal_position_keys(qp, kp)
     k_at = kp.gather(1, j)
     same_pos = k_at == qp
     in_block = (qd == kd.gather(1, j)) & (qd >= 0) & (qp >= min_k_pos)
@@ -154,13 +154,13 @@ def plan_spans(ids: PackedIds) -> SpanPlan | None:
     return SpanPlan(tuple(blocks), self_q, self_k, query_runs)
 
 
-def _equal_position_keys(qp: torch.Tensor, kp: torch.Tensor, *, same: bool) -> torch.Tensor:
+def _equal_position_keys(qp: torch.Tensor, kp: torch.Tensor) -> torch.Tensor:
     """[B, Sq] index of the key at each query's position (or its neighbour, where none is): the diagonal when
     queries and keys share their positions (the local path, the Ulysses inner op), else a search of the increasing
     key positions (ring steps). The shortcut matters under load: torch's CPU ``searchsorted`` opens a parallel region
     that waits for a free core, 6-9 ms a call on a busy 2-core machine (two calls a step) for a 0.5 ms search."""
     sq, sk = qp.shape[1], kp.shape[1]
-    if same or (sq == sk and torch.equal(qp, kp)):
+    if sq == sk and torch.equal(qp, kp):
         return torch.arange(sq).expand_as(qp)
     return torch.searchsorted(kp.contiguous(), qp.contiguous()).clamp(max=sk - 1)
 
