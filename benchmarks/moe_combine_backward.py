@@ -22,13 +22,8 @@ import torch.nn.functional as F
 from _flagship_shapes import flagship_rows
 from _measure import keep_freed_memory
 
-from nemo_ac.models.common.dispatch import _WeightedCombine
+from nemo_ac.models.common.dispatch import _weighted_sum_fp32, _WeightedCombine
 from nemo_ac.models.common.router import _Float32Linear
-
-
-def _autograd_combine(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    t, k = scores.shape
-    return (rows.view(t, k, -1).to(torch.float32) * scores.unsqueeze(-1)).sum(dim=1).to(rows.dtype)
 
 
 def _autograd_router(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -54,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     weight = torch.randn(e, h, generator=gen, requires_grad=True)
     grad_out, grad_logits = torch.randn(t, h, generator=gen).to(dtype), torch.randn(t, e, generator=gen)
     stacks: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
-        "autograd": (_autograd_combine, _autograd_router),
+        "autograd": (_weighted_sum_fp32, _autograd_router),  # the combine's autograd form: what compiled graphs trace
         "nemo_ac": (_WeightedCombine.apply, _Float32Linear.apply),
     }
     times: dict[tuple[str, str], list[float]] = {(s, p): [] for s in stacks for p in ("combine", "router")}
