@@ -213,7 +213,7 @@ def apply_ep(
         num_experts=num_experts.pop(),
         deepep_between_graphs=deepep_between_compiled_graphs(plan),
         deepep_buffer_cls=deepep_buffer_cls,
-        shared_group_names=plan.compile is not None and plan.compile.node_shared(),
+        shared_group_names=plan.collectives_by_mesh_dim(),
     )
     for moe in moes:
         shard_experts(moe.experts_module(), ep_mesh=ep_mesh)

@@ -70,7 +70,7 @@ def apply_cp(model: nn.Module, *, plan: ParallelPlan, cp_mesh: DeviceMesh | None
     if cp_mesh is None:
         return
     group, rank, size = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
-    if plan.compile is not None and plan.compile.node_shared():
+    if plan.collectives_by_mesh_dim():
         # One name for this rank's CP group on every rank: compiled graphs equal across CP groups share one compile
         # per node (workarounds.shared_group_names); the ops only hand the group to functional collectives.
         group = shared_group_name(group, role="cp")

@@ -149,6 +149,12 @@ class ParallelPlan:
     def compile_layouts(self) -> list[CompileLayout | None]:
         return [b.compile_layout for b in self.decoder_blocks()]
 
+    def collectives_by_mesh_dim(self) -> bool:
+        """Whether the CP ops' and the torch EP dispatcher's collectives address their group by its mesh dim
+        (``workarounds.shared_group_names``): where graphs compile once per node, so ranks in other groups of the
+        dim load them instead of compiling their own."""
+        return self.compile is not None and self.compile.node_shared()
+
     def kernels_line(self) -> str:
         """The ``kernels | ...`` line with only the slots this model uses (``KernelPlan.slots_used`` over the
         blocks' mixer kinds and MoE): no Mamba-2 kernel for a model without Mamba-2 layers."""
