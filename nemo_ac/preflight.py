@@ -12,7 +12,9 @@ one ``ConfigError`` (each naming its key and the fix):
    length, JSON, tensor spans that cover the file (``config.pretrained_files``; kilobytes per file, no tensor);
 4. data: each local ``data.path`` file exists, is UTF-8, parses (JSONL: every line of its head, named by line
    number) and holds the columns and usable first rows the recipe names (``config.data_files``; a Hub id is not
-   checked: no network here);
+   checked: no network here); for ``kind: text``, ``data.chat_template`` exists, a chat recipe's local tokenizer has
+   a chat template, and the tokenized corpus's cache entry is there or ``data.cache_dir`` can be written
+   (``config.corpus_key``);
 5. paths: ``checkpoint.resume`` names a complete checkpoint, ``checkpoint.dir`` holds no other run's later steps
    (``trainer.checkpoint_files.check_checkpoint_paths``), the end-of-training HF export can replace its directory
    without deleting the run, a checkpoint or unrelated files (``check_export_dir``), and the directories the run
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nemo_ac.config import ConfigError, ConfigIssue, RecipeConfig, check_environment, load_recipe, validate_recipe
+from nemo_ac.config.corpus_key import check_text_corpus
 from nemo_ac.config.data_files import check_data_files
 from nemo_ac.config.pretrained import check_pretrained
 from nemo_ac.config.pretrained_files import check_pretrained_files
@@ -166,7 +169,8 @@ def preflight(
     if not issues:  # config.json fits: its files next
         issues = check_pretrained_files(recipe)
     weights_readable = not issues
-    issues += check_data_files(recipe, notes)
+    data_issues = check_data_files(recipe, notes)
+    issues += data_issues if data_issues else check_text_corpus(recipe)
     issues += check_checkpoint_paths(recipe.checkpoint)
     issues += check_export_dir(recipe)
     issues += check_writable_dirs(recipe)

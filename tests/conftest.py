@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
 from torch.utils import checkpoint as torch_checkpoint
 
+from nemo_ac.config.corpus_key import ENV_CACHE_DIR
 from nemo_ac.doctor import isolation
 
 # No test may reach the Hugging Face Hub (CI has no network; a Hub id must resolve from a snapshot, the cache or fail
 # fast). Set before huggingface_hub is imported, which reads it once; torchrun workers inherit it.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tokenized text corpora (nemo_ac/data/corpus.py) go to a directory of this test session, shared by its torchrun
+# workers, never to the user's ~/.cache: every session starts without them, so the first use builds, the rest map.
+_DATA_CACHE = tempfile.mkdtemp(prefix="nemo_ac_data_cache.")
+os.environ[ENV_CACHE_DIR] = _DATA_CACHE
+atexit.register(shutil.rmtree, _DATA_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -345,6 +345,13 @@ class DataConfig:
     # only the assistant turns. Rows that are no usable chat (not a list of {role, content} string turns, or no
     # assistant turn) are skipped, counted, with a warning naming their rows (nemo_ac/config/text_rows.py).
     messages_column: str | None = None
+    # text, chat rows: a Jinja file that replaces data.tokenizer's own chat template (one with {% generation %}
+    # markers around the assistant turns marks exactly what they enclose as the loss targets); None: its own.
+    chat_template: str | None = None
+    # text: where the tokenized corpus is cached, memory-mapped by every rank and restart (nemo_ac/data/corpus.py);
+    # shared storage: tokenized once per job, node-local disk: once per node. None: $NEMO_AC_DATA_CACHE, else
+    # ~/.cache/nemo_ac/tokenized.
+    cache_dir: str | None = None
     max_length: int = 4096  # medpix: tokens per row (every row exactly this long); divisible by cp
     # medpix: pack several samples per row (document_ids/positions restart) or one sample per row, padded.
     packing: bool = True

@@ -40,19 +40,23 @@ def pack_row(next_document: Callable[[], Document], seq_len: int) -> dict[str, t
 
 
 def row_tensors(
-    *, ids: list[int], positions: list[int], documents: list[int], targets: list[bool]
+    *,
+    ids: list[int] | torch.Tensor,
+    positions: list[int] | torch.Tensor,
+    documents: list[int] | torch.Tensor,
+    targets: list[bool] | torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """One packed row's tensors: ``labels[t] = ids[t + 1]`` where ``t + 1`` is in the same document and a target."""
-    input_ids = torch.tensor(ids, dtype=torch.long)
-    document_ids = torch.tensor(documents, dtype=torch.long)
-    is_target = torch.tensor(targets, dtype=torch.bool)
+    input_ids = torch.as_tensor(ids, dtype=torch.long)
+    document_ids = torch.as_tensor(documents, dtype=torch.long)
+    is_target = torch.as_tensor(targets, dtype=torch.bool)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     keep = (document_ids[1:] == document_ids[:-1]) & is_target[1:]
     labels[:-1] = torch.where(keep, input_ids[1:], labels[:-1])
     return {
         "input_ids": input_ids,
         "labels": labels,
-        "position_ids": torch.tensor(positions, dtype=torch.long),
+        "position_ids": torch.as_tensor(positions, dtype=torch.long),
         "document_ids": document_ids,
     }
 

@@ -8,6 +8,7 @@ image placeholder ids and patch geometry); no model.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,7 +68,9 @@ def build_batches(
     if data_cfg.kind == "medpix":
         return MedPixBatches(data_cfg, vision=vision, **rows)
     if data_cfg.kind == "text":
-        return TextBatches(data_cfg, vocab_size=vocab_size, **rows)
+        # Rank 0 of the run says which cache entry it mapped (a builder always says what it built).
+        announce = os.environ.get("RANK", "0") == "0"
+        return TextBatches(data_cfg, vocab_size=vocab_size, announce=announce, **rows)
     if data_cfg.kind != "synthetic":
         raise ValueError(f"data.kind: unknown {data_cfg.kind!r}; use synthetic, medpix or text")
     return SyntheticBatches(data_cfg, vocab_size=vocab_size, **rows)

@@ -115,7 +115,7 @@ def test_a_chat_turn_without_content_is_a_counted_skip_named_by_its_row(tmp_path
         source = TextBatches(
             data, vocab_size=262, global_batch_size=4, micro_batch_size=2, dp_rank=0, dp_size=1, seed=0
         )
-    assert len(source.documents) == 39
+    assert source.num_documents == 39
     # a head without any usable row is an error (the column holds something else), named like the loader names it
     path.write_text("".join(json.dumps({"messages": [{"from": "human", "value": "hi"}]}) + "\n" for _ in range(5)))
     code, _, first = validate(capsys, recipe(tmp_path, data=path), "data.messages_column=messages")

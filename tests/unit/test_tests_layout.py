@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "tests" / "unit"
 # Folders that test what is not a nemo_ac package: the benchmark scripts and the shipped recipes.
 NOT_PACKAGES = {"benchmarks", "recipes"}
-HELPERS = {"tests.factories", "tests.launch", "tests.parity", "tests.deepep_standin"}
+HELPERS = {"tests.factories", "tests.launch", "tests.parity", "tests.deepep_standin", "tests.chat_data"}
 
 
 def test_unit_tests_mirror_the_package():

@@ -91,7 +91,7 @@ def test_chat_rows_take_the_loss_on_assistant_tokens_only(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.warns(UserWarning, match=r"skipped rows of .*chat.jsonl.* no assistant turn: 1 row \(row 50: "):
         kept = batches(path, messages_column="messages")
-    assert len(kept.documents) == 50
+    assert kept.num_documents == 50
 
 
 def test_malformed_chat_rows_are_counted_skips_like_rows_without_an_assistant_turn(tmp_path):
@@ -110,7 +110,7 @@ def test_malformed_chat_rows_are_counted_skips_like_rows_without_an_assistant_tu
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         kept = batches(path, messages_column="messages", seq_len=8)
-    assert len(kept.documents) == 2
+    assert kept.num_documents == 2
     said = sorted(str(w.message).split("'messages'): ")[1] for w in caught)
     assert said == [
         "malformed turn: 3 rows (rows 1, 2, 3; row 1: turn 1 has no 'content' (its keys: role))",
