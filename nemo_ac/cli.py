@@ -1,5 +1,6 @@
-"""``nemo-ac`` console script: train (launches torchrun for you), validate (no training), export (a DCP checkpoint ->
-a Hugging Face model directory), doctor (torch probes), recipes (the shipped recipes); ``nemo-ac --version``."""
+"""``nemo-ac`` console script: train (launches torchrun for you), validate (no training), tokenize (a text recipe's
+corpus into its cache, once), export (a DCP checkpoint -> a Hugging Face model directory), doctor (torch probes),
+recipes (the shipped recipes); ``nemo-ac --version``."""
 
 from __future__ import annotations
 
@@ -149,6 +150,28 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _tokenize(args: argparse.Namespace) -> int:
+    """``data.kind: text``: tokenize the corpus into ``data.cache_dir`` now (a login node, shared storage), so that
+    no rank of the run tokenizes; an entry already there is only mapped and described."""
+    from nemo_ac.config import load_recipe
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        if recipe.data.kind != "text" or recipe.data.source is not None:
+            raise ConfigError(
+                ConfigIssue("data.kind", f"{recipe.data.kind!r}: only data.kind text has a tokenized corpus to cache"),
+                source=args.recipe,
+            )
+        from nemo_ac.data.corpus import prepare_corpus  # imports torch: only when the command runs
+
+        corpus = prepare_corpus(recipe.data, vocab_size=recipe.model.vocab_size, say=print)
+    except ConfigError as exc:
+        print(f"nemo-ac tokenize: {exc}", file=sys.stderr)
+        return 2
+    print(f"{corpus.path}")
+    return 0
+
+
 def _doctor(args: argparse.Namespace) -> int:
     if args.overrides:
         print(f"nemo-ac doctor: takes no overrides: {' '.join(args.overrides)}", file=sys.stderr)
@@ -187,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
         "per rank exceeds this GPU's (h100-80gb, h200-141gb, b200-180gb, a100-80gb)",
     )
     validate.set_defaults(func=_validate)
+
+    tokenize = sub.add_parser(
+        "tokenize",
+        help="tokenize a text recipe's corpus into its cache (data.cache_dir) once, e.g. on shared storage before "
+        "the job: every rank of every launch then maps it",
+    )
+    tokenize.add_argument("recipe", type=resolve_recipe, help=recipe_help)
+    tokenize.set_defaults(func=_tokenize)
 
     plan = sub.add_parser(
         "plan",

@@ -1,7 +1,7 @@
 """Every README command marked ``<!-- readme-command -->`` runs as printed, so an example cannot rot unnoticed.
 
 The README's marked blocks hold commands a new user types on a CPU machine: ``torchrun ... -m nemo_ac.train`` and
-``nemo-ac ...`` (recipes, validate, plan, doctor, train, export). They run in the README's order (export reads the
+``nemo-ac ...`` (recipes, validate, plan, tokenize, doctor, train, export). They run in the README's order (export reads the
 checkpoint the train command before it saved), in a fresh directory that holds only a ``recipes`` link to the
 checkout (the README's paths are relative to a checkout), with ``OMP_NUM_THREADS=1``. Each must exit 0 and print the
 line that says it did its job: validate's ``OK at world size N``, the trainer's ``summary | steps N``, export's
@@ -88,6 +88,8 @@ def expected_line(argv: list[str]) -> re.Pattern[str]:
         return re.compile(r"^memory \| peak [\d.]+ \w+ per rank")
     if sub == "doctor":
         return re.compile(r"^OK: every affected probe passes with its workaround")
+    if sub == "tokenize":
+        return re.compile(r"^data \| (tokenized [\d,]+ rows|mapped) ")
     if sub == "recipes":
         return re.compile(r"^tiny/qwen3_moe_tiny\s+\S")
     if sub == "export":
