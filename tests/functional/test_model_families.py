@@ -6,6 +6,9 @@
 - Both recipes train their router biases aux-loss-free: the exported ``e_score_correction_bias`` of the 2-rank run
   equals the 1-rank run's exactly and is not zero, so the updates used loads summed over ranks and micro batches.
 - GLM's offloading did its work: each step moved one block input per layer and micro batch to host memory.
+- Chat data with a real byte-level BPE tokenizer and each model's own chat template (``tests.chat_data``): GLM on
+  chats resumes on the rows of the uninterrupted run and tokenizes once over three launches; Nemotron trains 4
+  steps on chats, the loss falling.
 - HF round trip under FSDP2 + EP on 2 ranks: random weights written in the Hub layout -> the trainer with
   ``model.pretrained`` and ``train.steps=0`` -> ``checkpoint.export_hf`` -> byte-identical tensors. And a DCP
   checkpoint exported with ``train.steps=0 checkpoint.resume=...`` equals the export at the end of its run.
@@ -21,6 +24,7 @@ import torch
 
 from nemo_ac.config import load_recipe
 from nemo_ac.models.hf import hf_config_dict
+from tests.chat_data import build_tokenizer, write_chat_file
 from tests.factories import assert_bytes_equal, read_dir, write_hub_checkpoint
 from tests.launch import RECIPES, assert_close_rel, run_recipe
 
@@ -134,19 +138,51 @@ def test_hf_round_trip_under_fsdp2_and_ep_is_byte_identical(recipe: str, overrid
     assert json.loads((out / "config.json").read_text())["model_type"] == model_config.family
 
 
-def test_glm_tiny_on_text_resumes_on_the_rows_of_the_uninterrupted_run(tmp_path: Path) -> None:
-    """The shipped text corpus (data.kind text): 6 steps straight vs 3, killed, resumed (auto), 3 more: the same
-    per-step losses, because a step's rows are a function of the step alone (nemo_ac/data/text.py)."""
-    common = ["train.steps=6", "checkpoint.enabled=true", "checkpoint.every_n_steps=3", "checkpoint.resume=auto"]
+def _chat_overrides(tmp_path: Path, family: str) -> list[str]:
+    """A chat file and a byte-level BPE tokenizer with ``family``'s own chat template (``tests.chat_data``)."""
+    tokenizer = build_tokenizer(tmp_path / f"tokenizer_{family}", family)
+    chats = write_chat_file(tmp_path / "chat.jsonl", 120)
+    return [
+        f"data.path={chats}",
+        "data.messages_column=messages",
+        f"data.tokenizer={tokenizer}",
+        "model.vocab_size=512",
+    ]
+
+
+def test_glm_tiny_on_chat_resumes_on_the_rows_of_the_uninterrupted_run(tmp_path: Path) -> None:
+    """GLM-4.5-Air's chat template and a real BPE tokenizer (data.kind text, messages_column): 6 steps straight vs
+    3, killed, resumed (auto), 3 more: the same per-step losses, because a step's rows are a function of the step
+    alone (nemo_ac/data/text.py). The first launch tokenizes the chats once; the two later launches map the entry.
+    Before: ``ValueError: too many dimensions 'str'`` in step 1 (a ``BatchEncoding`` read as a token list)."""
+    common = [
+        *_chat_overrides(tmp_path, "glm4_5"),
+        "train.steps=6",
+        "checkpoint.enabled=true",
+        "checkpoint.every_n_steps=3",
+        "checkpoint.resume=auto",
+    ]
     straight = run_recipe(
         GLM, nproc=2, run_dir=tmp_path / "straight", overrides=[*common, f"checkpoint.dir={tmp_path / 'a'}"]
     ).check()
+    assert straight.output.count("data | tokenized 120 rows") == 1, straight.output
     stopped_overrides = [*common, f"checkpoint.dir={tmp_path / 'b'}"]
     stopped = run_recipe(
         GLM, nproc=2, run_dir=tmp_path / "stopped", overrides=[*stopped_overrides, "train.fail_after_step=3"]
     )
     assert stopped.returncode != 0 and stopped.losses == straight.losses[:3]
     resumed = run_recipe(GLM, nproc=2, run_dir=tmp_path / "stopped", overrides=stopped_overrides).check()
-    print(f"\nglm tiny on text: first loss {straight.losses[0]:.4f}, final {straight.losses[-1]:.4f}")
+    assert "data | tokenized" not in resumed.output and "data | mapped" in resumed.output
+    print(f"\nglm tiny on chat: first loss {straight.losses[0]:.4f}, final {straight.losses[-1]:.4f}")
     assert resumed.losses == straight.losses
     assert straight.losses[-1] < straight.losses[0] - 0.1, straight.losses
+
+
+def test_nemotron_tiny_trains_on_chat_with_its_own_template(tmp_path: Path) -> None:
+    """Nemotron 3 Super's chat template (an empty system turn, ``<think></think>`` before every answer) and a real
+    BPE tokenizer: 4 steps of the EP2 tiny recipe on 2 ranks, the loss falls."""
+    run = run_recipe(
+        NEMOTRON, nproc=2, run_dir=tmp_path / "run", overrides=[*_chat_overrides(tmp_path, "nemotron"), "train.steps=4"]
+    ).check()
+    print(f"\nnemotron tiny on chat: losses {[round(loss, 4) for loss in run.losses]}")
+    assert len(run.losses) == 4 and run.losses[-1] < run.losses[0] - 0.1, run.losses
