@@ -4,7 +4,7 @@ relaunch, against the loader before the tokenized-corpus cache.
     python benchmarks/chat_data_pipeline.py [--conversations 200000] [--ranks 8] [--baseline-sample 1000]
         [--baseline-commit ec51da3] [--work /tmp/nemo_ac_chat_bench] [--out benchmarks/results/chat_data_pipeline]
 
-1. A synthetic ultrachat-sized corpus, generated here (seeded): ``--conversations`` chats of 3-4 turns (a system
+1. A synthetic ultrachat-sized corpus, generated here (seeded): ``--conversations`` chats of 4-5 turns (a system
    turn in one of three, then two user / assistant exchanges), about 1.4k tokens each, as JSONL.
 2. A real tokenizer: a byte-level BPE (32k ids, the ``tokenizers`` library) trained on a sample of it, with
    GLM-4.5-Air's special tokens and chat template (``recipes/hf_configs/zai-org/GLM-4.5-Air``), saved as a
