@@ -6,9 +6,9 @@
 - Both recipes train their router biases aux-loss-free: the exported ``e_score_correction_bias`` of the 2-rank run
   equals the 1-rank run's exactly and is not zero, so the updates used loads summed over ranks and micro batches.
 - GLM's offloading did its work: each step moved one block input per layer and micro batch to host memory.
-- Chat data with a real byte-level BPE tokenizer and each model's own chat template (``tests.chat_data``): GLM on
-  chats resumes on the rows of the uninterrupted run and tokenizes once over three launches; Nemotron trains 4
-  steps on chats, the loss falling.
+- Chat data with a real byte-level BPE tokenizer and each model's own chat template (``tests.chat_data``): the
+  Nemotron parity runs above train on chats; GLM on chats resumes on the rows of the uninterrupted run and
+  tokenizes once over three launches.
 - HF round trip under FSDP2 + EP on 2 ranks: random weights written in the Hub layout -> the trainer with
   ``model.pretrained`` and ``train.steps=0`` -> ``checkpoint.export_hf`` -> byte-identical tensors. And a DCP
   checkpoint exported with ``train.steps=0 checkpoint.resume=...`` equals the export at the end of its run.
@@ -46,6 +46,18 @@ def _biases(export_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in read_dir(export_dir).items() if k.endswith("e_score_correction_bias")}
 
 
+def _chat_overrides(tmp_path: Path, family: str) -> list[str]:
+    """A chat file and a byte-level BPE tokenizer with ``family``'s own chat template (``tests.chat_data``)."""
+    tokenizer = build_tokenizer(tmp_path / f"tokenizer_{family}", family)
+    chats = write_chat_file(tmp_path / "chat.jsonl", 120)
+    return [
+        f"data.path={chats}",
+        "data.messages_column=messages",
+        f"data.tokenizer={tokenizer}",
+        "model.vocab_size=512",
+    ]
+
+
 def _assert_same_training(parallel, single, tmp_path: Path) -> None:
     parallel.check()
     single.check()
@@ -61,7 +73,10 @@ def _assert_same_training(parallel, single, tmp_path: Path) -> None:
 
 
 def test_nemotron_tiny_ep2_trains_like_one_process(tmp_path: Path) -> None:
-    common = [f"train.steps={STEPS}"]
+    """On chats: Nemotron 3 Super's own template (an empty system turn, ``<think></think>`` before every answer)
+    and a real BPE tokenizer; the 2-rank and the 1-rank run map the one tokenized entry."""
+    chat = _chat_overrides(tmp_path, "nemotron")
+    common = [f"train.steps={STEPS}", *chat]
     parallel = run_recipe(
         NEMOTRON, nproc=2, run_dir=tmp_path / "ws2", overrides=[*common, *_export(tmp_path / "hf_parallel")]
     )
@@ -84,7 +99,7 @@ def test_nemotron_tiny_ep2_trains_like_one_process(tmp_path: Path) -> None:
     # A DCP checkpoint converts to the same HF checkpoint: train.steps=0 resumes it and only exports.
     convert = [f"checkpoint.resume={tmp_path / 'dcp' / f'step_{STEPS}'}", *_export(tmp_path / "hf_from_dcp")]
     run_recipe(
-        NEMOTRON, nproc=1, run_dir=tmp_path / "convert", overrides=["train.steps=0", "parallel.ep=1", *convert]
+        NEMOTRON, nproc=1, run_dir=tmp_path / "convert", overrides=["train.steps=0", "parallel.ep=1", *chat, *convert]
     ).check()
     assert_bytes_equal(read_dir(tmp_path / "hf_from_dcp"), read_dir(tmp_path / "hf_single"))
 
@@ -138,18 +153,6 @@ def test_hf_round_trip_under_fsdp2_and_ep_is_byte_identical(recipe: str, overrid
     assert json.loads((out / "config.json").read_text())["model_type"] == model_config.family
 
 
-def _chat_overrides(tmp_path: Path, family: str) -> list[str]:
-    """A chat file and a byte-level BPE tokenizer with ``family``'s own chat template (``tests.chat_data``)."""
-    tokenizer = build_tokenizer(tmp_path / f"tokenizer_{family}", family)
-    chats = write_chat_file(tmp_path / "chat.jsonl", 120)
-    return [
-        f"data.path={chats}",
-        "data.messages_column=messages",
-        f"data.tokenizer={tokenizer}",
-        "model.vocab_size=512",
-    ]
-
-
 def test_glm_tiny_on_chat_resumes_on_the_rows_of_the_uninterrupted_run(tmp_path: Path) -> None:
     """GLM-4.5-Air's chat template and a real BPE tokenizer (data.kind text, messages_column): 6 steps straight vs
     3, killed, resumed (auto), 3 more: the same per-step losses, because a step's rows are a function of the step
@@ -176,13 +179,3 @@ def test_glm_tiny_on_chat_resumes_on_the_rows_of_the_uninterrupted_run(tmp_path:
     print(f"\nglm tiny on chat: first loss {straight.losses[0]:.4f}, final {straight.losses[-1]:.4f}")
     assert resumed.losses == straight.losses
     assert straight.losses[-1] < straight.losses[0] - 0.1, straight.losses
-
-
-def test_nemotron_tiny_trains_on_chat_with_its_own_template(tmp_path: Path) -> None:
-    """Nemotron 3 Super's chat template (an empty system turn, ``<think></think>`` before every answer) and a real
-    BPE tokenizer: 4 steps of the EP2 tiny recipe on 2 ranks, the loss falls."""
-    run = run_recipe(
-        NEMOTRON, nproc=2, run_dir=tmp_path / "run", overrides=[*_chat_overrides(tmp_path, "nemotron"), "train.steps=4"]
-    ).check()
-    print(f"\nnemotron tiny on chat: losses {[round(loss, 4) for loss in run.losses]}")
-    assert len(run.losses) == 4 and run.losses[-1] < run.losses[0] - 0.1, run.losses
