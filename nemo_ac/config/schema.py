@@ -408,6 +408,10 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # built-in AdamW betas
     eps: float = 1e-8  # built-in AdamW eps
     grad_clip: float = 1.0  # max global L2 gradient norm (over every mesh); 0 disables clipping (the norm is logged)
+    # The LM head and the cross entropy over this many tokens at a time (models/common/chunked_cross_entropy.py):
+    # no [tokens, vocab] logits in forward or backward, one extra LM-head matmul per token (backward recomputes each
+    # chunk). 0 computes the whole micro batch's logits at once.
+    loss_chunk_tokens: int = 0
     # Seeds torch, the per-tensor weight init (seed, parameter name) and the data streams.
     seed: int = 1234
     # Debug: run backward on a worker thread, emulating the CUDA autograd device thread on CPU.

@@ -252,6 +252,14 @@ def check_training(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
         issues.append(ConfigIssue("train.betas", f"{t.betas} must be two numbers in [0, 1)"))
     if not math.isfinite(t.grad_clip) or t.grad_clip < 0:
         issues.append(ConfigIssue("train.grad_clip", f"must be a finite number >= 0 (0 disables), got {t.grad_clip}"))
+    if t.loss_chunk_tokens < 0:
+        issues.append(
+            ConfigIssue(
+                "train.loss_chunk_tokens",
+                f"must be >= 0 (0: the whole micro batch's logits at once; 1024 is a good size), got "
+                f"{t.loss_chunk_tokens}",
+            )
+        )
     if not math.isfinite(t.stop_deadline_s) or t.stop_deadline_s <= 0:
         issues.append(
             ConfigIssue(

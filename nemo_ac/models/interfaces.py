@@ -48,8 +48,12 @@ class RouterStats:
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor
+    """A forward's result. Given ``labels``, a model returns ``ce_sum`` (the summed token cross entropy, from the LM
+    head in token chunks) and no ``logits``; otherwise ``logits`` [B, S, V]."""
+
+    logits: torch.Tensor | None = None
     router_stats: list[RouterStats] = field(default_factory=list)
+    ce_sum: torch.Tensor | None = None
 
 
 # Outputs are pytrees so that FSDP2 (which finds output tensors with tree_flatten to hook its pre-backward

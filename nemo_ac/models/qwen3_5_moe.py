@@ -222,6 +222,8 @@ class Qwen3_5MoeForConditionalGeneration(CausalLM):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        loss_chunk_tokens: int = 0,
     ) -> ModelOutput:
         if inputs_embeds is None:
             if input_ids is None:
@@ -229,7 +231,7 @@ class Qwen3_5MoeForConditionalGeneration(CausalLM):
             embedded = self._embed(input_ids, position_ids, attn.document_ids, pixel_values, image_grid_thw)
             inputs_embeds, position_ids = embedded.inputs_embeds, embedded.position_ids
         hidden, router_stats = self.decoder()(inputs_embeds, position_ids=position_ids, attn=attn)
-        return ModelOutput(logits=self.lm_head(hidden), router_stats=router_stats)
+        return self.head_output(hidden, router_stats, labels=labels, loss_chunk_tokens=loss_chunk_tokens)
 
 
 def build_qwen3_5_moe(cfg: ModelConfig) -> Qwen3_5MoeForConditionalGeneration:

@@ -155,6 +155,7 @@ def build_trainer(
         options=LoopOptions(
             steps=recipe.train.steps,
             grad_clip=recipe.train.grad_clip,
+            loss_chunk_tokens=recipe.train.loss_chunk_tokens,
             aux_loss_coef=recipe.model.moe.aux_loss_coef,
             backward_on_thread=recipe.train.backward_on_thread,
             fail_after_step=recipe.train.fail_after_step,

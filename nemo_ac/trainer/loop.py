@@ -76,6 +76,9 @@ class LoopOptions:
     fail_after_step: int = 0
     # parallel.fsdp.reduce_grads == "last_micro_batch": no gradient collective until the step's last micro batch.
     reduce_grads_on_last_micro_batch_only: bool = False
+    # train.loss_chunk_tokens: > 0 passes the labels to the model, which returns the cross entropy computed over
+    # chunks of this many tokens (no [tokens, vocab] logits); 0 computes the loss from the whole logits here.
+    loss_chunk_tokens: int = 0
     # Called after each optimizer step with (step, info); info has "expert_load" ([L, E] global counts) when MoE.
     post_step_callbacks: list[StepCallback] = field(default_factory=list)
     # Extra per-step metric sources (e.g. compile counters): name -> callable returning a JSON-able value.
@@ -189,7 +192,7 @@ class Trainer:
         for index, batch in enumerate(prepared):
             if self.options.reduce_grads_on_last_micro_batch_only:
                 set_gradient_sync(self.model, index == len(prepared) - 1)
-            output = self.model(**batch.inputs_for(self.model))
+            output = self.model(**batch.inputs_for(self.model), **self._loss_inputs(batch))
             parts = compute_loss(
                 output,
                 batch.labels,
@@ -206,6 +209,12 @@ class Trainer:
             if after_micro_batch is not None:
                 after_micro_batch(index)
         return StepSums(ce=ce_total, aux=aux_total, expert_load=expert_load)
+
+    def _loss_inputs(self, batch: PreparedBatch) -> dict[str, Any]:
+        """Extra forward inputs: with ``loss_chunk_tokens`` the model computes the cross entropy itself, in token
+        chunks, inside its forward (where FSDP2 has the LM head's weight gathered)."""
+        chunk = self.options.loss_chunk_tokens
+        return {"labels": batch.labels, "loss_chunk_tokens": chunk} if chunk > 0 else {}
 
     def update(self) -> tuple[torch.Tensor, float]:
         """Clip, optimizer and scheduler step, zero the gradients; returns (grad norm tensor, the LR used)."""

@@ -60,7 +60,8 @@ def compute_loss(
     aux_loss_coef: float,
     group: dist.ProcessGroup | None,
 ) -> LossParts:
-    ce_sum = cross_entropy_sum(output.logits, labels)
+    # A forward given the labels computed the cross entropy itself, over token chunks (train.loss_chunk_tokens).
+    ce_sum = output.ce_sum if output.ce_sum is not None else cross_entropy_sum(output.logits, labels)
     loss = ce_sum / max(num_global_label_tokens, 1)
     aux = torch.zeros((), device=loss.device)
     load = None

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from nemo_ac.config.schema import ModelConfig
+from nemo_ac.models.common.chunked_cross_entropy import chunked_cross_entropy_sum
 from nemo_ac.models.common.decoder_layer import NormClass
 from nemo_ac.models.interfaces import AttentionInputs, ModelOutput, RouterStats
 
@@ -106,6 +107,32 @@ class CausalLM(nn.Module):
         """Share the embedding with the output projection (call again after ``to_empty``)."""
         self.lm_head.weight = self.get_input_embeddings().weight
 
-    def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor, attn: AttentionInputs) -> ModelOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor,
+        attn: AttentionInputs,
+        labels: torch.Tensor | None = None,
+        loss_chunk_tokens: int = 0,
+    ) -> ModelOutput:
         hidden, router_stats = self.model(input_ids, position_ids=position_ids, attn=attn)
-        return ModelOutput(logits=self.lm_head(hidden), router_stats=router_stats)
+        return self.head_output(hidden, router_stats, labels=labels, loss_chunk_tokens=loss_chunk_tokens)
+
+    def head_output(
+        self,
+        hidden: torch.Tensor,
+        router_stats: list[RouterStats],
+        *,
+        labels: torch.Tensor | None,
+        loss_chunk_tokens: int,
+    ) -> ModelOutput:
+        """Logits, or with ``labels`` the summed cross entropy over ``loss_chunk_tokens``-token chunks (no logits
+        tensor). It runs inside the forward so that the LM head's weight is the gathered one (FSDP2 unshards the
+        root unit for its forward and keeps it through backward)."""
+        if labels is None:
+            return ModelOutput(logits=self.lm_head(hidden), router_stats=router_stats)
+        if loss_chunk_tokens < 1:
+            raise ValueError(f"labels need loss_chunk_tokens >= 1, got {loss_chunk_tokens}")
+        ce_sum = chunked_cross_entropy_sum(hidden, self.lm_head.weight, labels, chunk_tokens=loss_chunk_tokens)
+        return ModelOutput(ce_sum=ce_sum, router_stats=router_stats)

@@ -360,6 +360,12 @@ ROWS = [
     ),
     row(
         "check_training",
+        ["train.loss_chunk_tokens=-1"],
+        "train.loss_chunk_tokens",
+        r"must be >= 0 \(0: the whole micro batch's logits at once; 1024 is a good size\), got -1",
+    ),
+    row(
+        "check_training",
         ["+train.optimizer.lr=0.1"],
         "train.optimizer._target_",
         r"missing; give a dotted path such as torch.optim.AdamW",
