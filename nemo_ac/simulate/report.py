@@ -51,8 +51,8 @@ SHRINKS: dict[str, str] = {
     "activation_checkpointing.offload (with mode full)",
     "temporaries": "train.micro_batch_size, parallel.cp, activation_checkpointing.mode",
     "optimizer states": "more ranks (parallel.dp_shard), parallel.ep (expert states), train.freeze",
-    "optimizer step temporaries": "a fused optimizer (train.optimizer: {_target_: torch.optim.AdamW, fused: true} "
-    "on CUDA) or more ranks (parallel.dp_shard)",
+    "optimizer step temporaries": "the built-in AdamW (fused on CUDA), a fused train.optimizer "
+    "({_target_: torch.optim.AdamW, fused: true}) or more ranks (parallel.dp_shard)",
     "parameters": "more ranks (parallel.dp_shard), parallel.ep (expert weights)",
     "gradients": "more ranks (parallel.dp_shard), parallel.ep, train.freeze",
     "gathered parameters": "parallel.fsdp prefetch (fewer units gathered ahead), parallel.ep",

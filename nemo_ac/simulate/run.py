@@ -47,7 +47,7 @@ from nemo_ac.trainer.build import (
     quiet_logger,
 )
 from nemo_ac.trainer.loop import count_tokens
-from nemo_ac.trainer.optim import build_optimizer, build_scheduler
+from nemo_ac.trainer.optim import adamw_implementation, build_optimizer, build_scheduler
 from nemo_ac.workarounds.fake_world import (
     RealWhereAllReal,
     dtensor_propagation_marked,
@@ -238,8 +238,19 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         _materialize_fake(model, fake)
         switches = dataclasses.asdict(sim_recipe.train.freeze)
         frozen = freeze(model, **switches) if any(switches.values()) else {}
-        optimizer = build_optimizer(model, sim_recipe.train, extensions=sim_recipe.extensions.allow)
+        # The AdamW kernel of the planned device (fused on CUDA: no temporary fp32 copy at the step).
+        optimizer = build_optimizer(
+            model,
+            sim_recipe.train,
+            device_type=device_type,
+            extensions=sim_recipe.extensions.allow,
+        )
         scheduler = build_scheduler(optimizer, sim_recipe.train, extensions=sim_recipe.extensions.allow)
+        if sim_recipe.train.optimizer is None:
+            assumptions.append(
+                f"built-in AdamW {adamw_implementation(device_type)}, the kernel it runs on {device_type} "
+                "(fused: no foreach temporaries at the step)"
+            )
         batches, data_assumption = _micro_batches(sim_recipe, meshes, options)
         if data_assumption:
             assumptions.append(data_assumption)

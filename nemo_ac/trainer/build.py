@@ -111,7 +111,7 @@ def build_training(recipe: RecipeConfig, layout: ParallelLayout, *, device: torc
     weights = materialize_weights(model, model_config=recipe.model, device=device, seed=recipe.train.seed)
     switches = dataclasses.asdict(recipe.train.freeze)
     frozen = freeze(model, **switches) if any(switches.values()) else {}
-    optimizer = build_optimizer(model, recipe.train, extensions=recipe.extensions.allow)
+    optimizer = build_optimizer(model, recipe.train, device_type=device.type, extensions=recipe.extensions.allow)
     scheduler = build_scheduler(optimizer, recipe.train, extensions=recipe.extensions.allow)
     data = recipe_batches(recipe, dp_rank=meshes.dp_rank, dp_size=meshes.dp_size)
     return TrainingSetup(

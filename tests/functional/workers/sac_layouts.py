@@ -82,7 +82,7 @@ def train_cell(name: str, overrides: list[str], *, ep: int = 1, profiler_only: b
         if profiler_only:
             ensure_profiler_ops_sac_ignored()
         materialize_and_init(model, device="cpu", seed=recipe.train.seed)
-        optimizer = build_optimizer(model, recipe.train)
+        optimizer = build_optimizer(model, recipe.train, device_type="cpu")
         setup = TrainingSetup(
             recipe=recipe,
             layout=layout,

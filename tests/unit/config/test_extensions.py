@@ -107,7 +107,7 @@ def test_allowed_user_module_instantiates_optimizer_scheduler_and_dataset(user_p
     allow = recipe.extensions.allow
     assert allow == [prefix]
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    optimizer = build_optimizer(model, recipe.train, extensions=allow)
+    optimizer = build_optimizer(model, recipe.train, device_type="cpu", extensions=allow)
     assert type(optimizer).__module__ == f"{PKG}.parts" and type(optimizer).__name__ == "ScaledSGD"
     # The parameter groups (decay / no decay) and train.lr arrive; the recipe's extra key too.
     assert [group["weight_decay"] for group in optimizer.param_groups] == [recipe.train.weight_decay, 0.0]
@@ -136,7 +136,7 @@ def test_user_module_is_refused_without_its_prefix_and_never_imported(user_packa
     # The import site checks again (a caller that skipped validation), before importing anything.
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ConfigError, match=r"train.optimizer._target_: .*add its prefix to extensions.allow"):
-        build_optimizer(model, recipe.train)
+        build_optimizer(model, recipe.train, device_type="cpu")
     with pytest.raises(ConfigError, match=r"data.source._target_: .*add its prefix to extensions.allow"):
         _batches(recipe, [f"{PKG}.other"])
     assert PKG not in sys.modules

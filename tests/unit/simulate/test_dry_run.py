@@ -44,6 +44,22 @@ def test_tiny_plan_prints_every_section_and_writes_json(tmp_path: Path, capsys: 
     assert report["ops_without_formula"] == {}
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_dry_run_steps_the_adamw_kernel_of_the_planned_device(device: str) -> None:
+    """The built-in AdamW is fused on CUDA (no foreach temporaries) and foreach on CPU; the dry run plans with the
+    one that will run, so a CUDA plan's optimizer step allocates nothing beyond the states."""
+    backend = "nccl" if device == "cuda" else "gloo"
+    recipe = load_recipe(TINY, [f"dist.device={device}", f"dist.backend={backend}"])
+    simulation = simulate(recipe, validate_recipe(recipe, world_size=2), SimulationOptions(world_size=2))
+    step = simulation.measurement.phase_peaks["optimizer"].terms
+    kernel = "fused" if device == "cuda" else "foreach"
+    assert f"built-in AdamW {kernel}, the kernel it runs on {device}" in " ".join(simulation.assumptions)
+    if device == "cuda":
+        assert "optimizer step temporaries" not in step, step
+    else:  # foreach: a temporary list as large as the fp32 parameters (the check can fail)
+        assert step["optimizer step temporaries"] >= step["parameters"] // 2, step
+
+
 @pytest.mark.parametrize(
     ("args", "key"),
     [

@@ -28,7 +28,7 @@ RATE = 0.01
 
 def _trainer(model, *, callbacks, micro_batches: int):
     train = TrainConfig(steps=1, global_batch_size=2 * micro_batches, micro_batch_size=2, warmup_steps=0)
-    optimizer = build_optimizer(model, train)
+    optimizer = build_optimizer(model, train, device_type="cpu")
     data = SyntheticBatches(
         DataConfig(seq_len=40, min_doc_tokens=3, max_doc_tokens=8),
         vocab_size=model.config.vocab_size,
