@@ -6,6 +6,7 @@
 # 3. the CUDA-only kernels that are installed (Transformer Engine, DeepEP) are named, and absent ones said so;
 # 4. the packed-attention kernels on CUDA: FlexAttention (compiled, fwd + bwd) and the tiled op against SDPA;
 # 5. the mixer kernels (fla, mamba-ssm) against the torch ops (tests/unit/models/test_mixer_kernels_cuda.py; skips say why),
+#    and AdamW with its states in pinned host memory against fused AdamW on the device (bitwise);
 #    and, where installed, the tiny Qwen3.6 / Nemotron recipes trained on them (steps 1 keep the torch ops);
 # 6. nemo-ac plan against a measured step on this GPU: a mid-size MoE (1.3B parameters, 4k rows, bf16) measured by
 #    nemo_ac.simulate.measure (tracked peak, torch.cuda.max_memory_allocated, 3 timed steps), then its dry run
@@ -63,6 +64,7 @@ step plan_against_measured 150 "$PY" -m nemo_ac.cli plan recipes/tiny/qwen3_moe_
 grep -E "^against" "$OUT/plan_against_measured.log"
 step attention_kernels_cuda 120 "$PY" benchmarks/attention_kernels_cuda.py
 step mixer_kernels_cuda 120 "$PY" -m pytest -q -rs tests/unit/models/test_mixer_kernels_cuda.py
+step host_optimizer_states_cuda 90 "$PY" -m pytest -q -rs tests/unit/trainer/test_host_optimizer_states.py -k cuda
 installed() { "$PY" -c "import importlib.util, sys; sys.exit(not all(importlib.util.find_spec(m) for m in sys.argv[1:]))" "$@"; }
 KERNELS=("${GPU[@]:0:5}")  # GPU minus the torch mixer ops
 if installed fla; then  # fla's Triton dots want head dims >= 16

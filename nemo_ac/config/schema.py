@@ -408,6 +408,10 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # built-in AdamW betas
     eps: float = 1e-8  # built-in AdamW eps
     grad_clip: float = 1.0  # max global L2 gradient norm (over every mesh); 0 disables clipping (the norm is logged)
+    # Where the built-in AdamW keeps its moment states (exp_avg, exp_avg_sq: 8 bytes per trainable parameter)
+    # between steps: none = on the device; states = in (pinned) host memory, copied to the device bucket by bucket
+    # for the update and back (trainer/host_optimizer_states.py; bitwise the same update, DCP checkpoints unchanged).
+    optimizer_offload: Literal["none", "states"] = "none"
     # The LM head and the cross entropy over this many tokens at a time (models/common/chunked_cross_entropy.py):
     # no [tokens, vocab] logits in forward or backward, one extra LM-head matmul per token (backward recomputes each
     # chunk). 0 computes the whole micro batch's logits at once.

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from nemo_ac.config.schema import TrainConfig
 from nemo_ac.config.targets import instantiate
+from nemo_ac.trainer.host_optimizer_states import AdamWHostStates
 
 
 def adamw_implementation(device_type: str) -> Literal["fused", "foreach"]:
@@ -28,11 +29,12 @@ def adamw_implementation(device_type: str) -> Literal["fused", "foreach"]:
 
 
 def build_optimizer(
-    model: nn.Module, config: TrainConfig, *, device_type: str, extensions: Sequence[str] = ()
+    model: nn.Module, config: TrainConfig, *, device_type: str, extensions: Sequence[str] = (), host: str = "cpu"
 ) -> torch.optim.Optimizer:
     """Frozen parameters (requires_grad False) get no optimizer state. Norm weights, biases and router correction
     biases (< 2 dims) get no weight decay. ``extensions``: the recipe's extensions.allow (user module prefixes).
-    ``device_type``: where the step runs, which picks the built-in AdamW's kernel (``adamw_implementation``)."""
+    ``device_type``: where the step runs, which picks the built-in AdamW's kernel (``adamw_implementation``).
+    ``host``: where ``train.optimizer_offload: states`` keeps the states ("meta" in the dry run)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if not param.requires_grad:
@@ -46,6 +48,8 @@ def build_optimizer(
     if config.optimizer is not None:
         return instantiate(config.optimizer, groups, key="train.optimizer", allow=extensions, lr=config.lr)
     fused = adamw_implementation(device_type) == "fused"
+    if config.optimizer_offload == "states":
+        return AdamWHostStates(groups, host=host, fused=fused, lr=config.lr, betas=tuple(config.betas), eps=config.eps)
     return torch.optim.AdamW(
         groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps, foreach=not fused, fused=fused or None
     )

@@ -3,8 +3,9 @@
 - Each tiny recipe trains 5 steps with its parallel layout (Nemotron: EP2 on 2 ranks, selective AC, fp32 router;
   GLM: Ulysses CP2 on 2 ranks, full AC with activation offloading, fp32 router), the loss falls, and every step's
   loss and grad norm equal a world-size-1 run (no EP / CP / offloading) within 1e-5 relative (fp32). GLM's
-  world-size-1 run computes the whole logits, its 2-rank run the LM head + loss in token chunks (under CP, full AC
-  and offloading), as the recipe sets.
+  world-size-1 run computes the whole logits and keeps AdamW's states on the device; its 2-rank run, as the
+  recipe sets, runs the LM head + loss in token chunks (under CP, full AC and offloading) and keeps the states in
+  host memory.
 - Both recipes train their router biases aux-loss-free: the exported ``e_score_correction_bias`` of the 2-rank run
   equals the 1-rank run's exactly and is not zero, so the updates used loads summed over ranks and micro batches.
 - GLM's offloading did its work: each step moved one block input per layer and micro batch to host memory.
@@ -120,7 +121,10 @@ def test_glm_tiny_cp2_ulysses_with_offloading_trains_like_one_process(tmp_path: 
             *common,
             "parallel.cp=1",
             "activation_checkpointing.offload=false",
-            "train.loss_chunk_tokens=0",  # the whole logits: the chunked LM head + loss of the recipe matches it
+            # The whole logits and AdamW's states on the device: the recipe's chunked LM head + loss and
+            # host-memory optimizer states match them.
+            "train.loss_chunk_tokens=0",
+            "train.optimizer_offload=none",
             *_export(tmp_path / "hf_single"),
         ],
     )

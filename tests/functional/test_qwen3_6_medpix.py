@@ -10,8 +10,9 @@ Launches (about 4 minutes cold on 2 cores, nearly all of it the compiled launch'
 - world size 1, eager, 3 steps: the reference. ``micro_batch_size * dp`` is 2 in both layouts, so every micro step
   covers the same rows; eager is the honest reference for the compiled run because inductor on CPU matches eager
   to ~1e-7 here (measured: loss 2e-8, grad norm 5e-7 relative), far inside 1e-5. It computes the whole logits
-  and their cross entropy; the recipe's LM head + loss run in 32-token chunks (``train.loss_chunk_tokens``), so
-  the parity below holds them to the plain loss under EP x CP, compile, SAC and MedPix rows.
+  and their cross entropy and keeps AdamW's states on the device; the recipe runs the LM head + loss in 32-token
+  chunks (``train.loss_chunk_tokens``) and keeps the states in host memory (``train.optimizer_offload``), so the
+  parity below holds both to the plain path under EP x CP, compile, SAC and MedPix rows.
 - the recipe as is, 6 steps: parity with the reference over 3 steps (loss and grad norm, 1e-5 relative), the loss
   falls, no compile on any thread after step 2, no eager fallback.
 - the recipe with only ``activation_checkpointing.workarounds=false``: the torch 2.13 field failure (nested expert
@@ -52,6 +53,7 @@ def reference(tmp_path_factory):
         "compile.enabled=false",
         "train.steps=3",
         "train.loss_chunk_tokens=0",
+        "train.optimizer_offload=none",
     ]
     run = run_recipe(RECIPE, nproc=1, run_dir=tmp_path_factory.mktemp("ws1"), overrides=overrides).check()
     assert len(run.metrics) == 3
@@ -133,6 +135,15 @@ def test_frozen_vision_tower_gets_no_optimizer_state_and_no_gradient_reduction(w
     saved = trainable["reduce_scatter_elements"] - frozen["reduce_scatter_elements"]
     assert saved == micro_batches * frozen["tower_padded_elements"], (saved, frozen)
     assert frozen["loss"] == trainable["loss"]  # same data, same weights: freezing changes no forward math
+
+
+def test_optimizer_states_on_the_host_train_bitwise_as_on_the_device(worker_cells):
+    """fp32 on 2 gloo ranks (EP2 x CP2, FSDP2): AdamW with its states offloaded to host memory gives the same
+    losses and parameters, bit for bit, as torch's AdamW with them on the device."""
+    offloaded, on_device = worker_cells["straight"], worker_cells["on_device"]
+    assert (offloaded["optimizer"], on_device["optimizer"]) == ("AdamWHostStates", "AdamW")
+    assert offloaded["losses"] == on_device["losses"]
+    assert offloaded["parameters"] == on_device["parameters"]
 
 
 def test_resumed_run_continues_on_the_same_medpix_rows(worker_cells):

@@ -9,7 +9,8 @@ materialize -> ``freeze`` -> optimizer -> ``build_batches`` -> ``Trainer``), eag
   state, and which parameters the step changed;
 - ``straight`` / ``resumed``: 3 steps saving a DCP checkpoint after step 2; then a new model, optimizer and MedPix
   loader resume from that checkpoint and train step 3 again. Same loss means the MedPix position (``plan_row``,
-  ``plan_cursor``), weights and optimizer state came back.
+  ``plan_cursor``), weights and optimizer state came back (the recipe's AdamW states live on the host);
+- ``on_device``: the ``straight`` run with ``train.optimizer_offload=none``: AdamW's states on the device.
 """
 
 from __future__ import annotations
@@ -109,17 +110,36 @@ def freeze_cell(name: str, vision_tower: bool) -> dict:
     }
 
 
+def _local_parameters(trainer) -> list[list[float]]:
+    return [p.detach().to_local().flatten().tolist() for p in trainer.model.parameters()]
+
+
 def resume_cells(tmp: Path) -> list[dict]:
     straight, checkpointer, state = build(["train.steps=3", "checkpoint.every_n_steps=2"], checkpoint_dir=tmp)
     losses = [m.loss for m in straight.fit(on_step_end=lambda step: checkpointer.on_step_end(step, state))]
     saved = state.data.state_dict()
+    # The recipe keeps AdamW's states on the host (train.optimizer_offload: states); on the device, the same run.
+    on_device, _, _ = build(["train.steps=3", "train.optimizer_offload=none"])
+    on_device_losses = [m.loss for m in on_device.fit()]
     resumed, checkpointer, state = build(["train.steps=3"], resume=str(tmp / "step_2"))
     restored_step = checkpointer.restore(state)
     position = state.data.state_dict()
     resumed.step = restored_step
     history = resumed.fit()
     return [
-        {"name": "straight", "losses": losses, "final_position": saved},
+        {
+            "name": "straight",
+            "losses": losses,
+            "final_position": saved,
+            "optimizer": type(straight.optimizer).__name__,
+            "parameters": _local_parameters(straight),
+        },
+        {
+            "name": "on_device",
+            "losses": on_device_losses,
+            "optimizer": type(on_device.optimizer).__name__,
+            "parameters": _local_parameters(on_device),
+        },
         {"name": "resumed", "restored_step": restored_step, "position": position, "losses": [m.loss for m in history]},
     ]
 

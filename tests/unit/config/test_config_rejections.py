@@ -360,6 +360,13 @@ ROWS = [
     ),
     row(
         "check_training",
+        ["train.optimizer_offload=states", "+train.optimizer._target_=torch.optim.SGD"],
+        "train.optimizer_offload",
+        r"'states' keeps the built-in AdamW's states on the host and cannot move the states of train.optimizer "
+        r"\(torch.optim.SGD\); remove train.optimizer or set train.optimizer_offload=none",
+    ),
+    row(
+        "check_training",
         ["train.loss_chunk_tokens=-1"],
         "train.loss_chunk_tokens",
         r"must be >= 0 \(0: the whole micro batch's logits at once; 1024 is a good size\), got -1",
