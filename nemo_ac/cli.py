@@ -235,6 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", default=None, help="also write the report as JSON to this path")
     plan.add_argument(
+        "--host-memory",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="system memory per node for offloaded states and activations (default: the GPU's DGX node, "
+        "2048 GiB for H100 / H200)",
+    )
+    plan.add_argument(
         "--imbalance",
         type=float,
         default=1.0,

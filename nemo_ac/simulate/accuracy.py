@@ -8,7 +8,7 @@ the tracked peak memory (the same tracker in fake and in real mode), the FLOPs p
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,8 @@ class Comparison:
     flop_counter_flops: int  # torch's FlopCounterMode over the real step
     collectives_equal: bool
     collective_differences: tuple[str, ...]
+    predicted_host: dict[str, int] = field(default_factory=dict)  # host memory per rank by term (memory.host_bytes)
+    measured_host: dict[str, int] = field(default_factory=dict)
 
     @property
     def peak_ratio(self) -> float:
@@ -53,6 +55,12 @@ class Comparison:
             f"= {self.peak_ratio:.4f} | FLOPs {self.predicted_flops:,} / FlopCounterMode {self.flop_counter_flops:,} "
             f"= {self.flops_ratio:.4f} | collectives "
             + ("equal" if self.collectives_equal else "DIFFER: " + "; ".join(self.collective_differences))
+            + (
+                f" | host {sum(self.predicted_host.values()):,} B predicted / {sum(self.measured_host.values()):,} B "
+                "measured"
+                if self.predicted_host or self.measured_host
+                else ""
+            )
         )
 
 
@@ -77,4 +85,6 @@ def compare(simulation: Simulation, measured: dict[str, Any]) -> Comparison:
         flop_counter_flops=int(measured["flop_counter_total"]),
         collectives_equal=not differences,
         collective_differences=tuple(differences),
+        predicted_host=dict(simulation.host_bytes),
+        measured_host={k: int(v) for k, v in measured.get("host_bytes", {}).items()},
     )

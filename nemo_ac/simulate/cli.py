@@ -7,6 +7,7 @@ the layout cannot use, or a step that fails under fake tensors (``SimulationErro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -39,9 +40,15 @@ def recipe_world_size(recipe: RecipeConfig) -> int | None:
     return max(par.dp_replicate, 1) * par.dp_shard * max(par.cp, 1)
 
 
-def gpu_specs(values: Sequence[str] | None) -> list[GpuSpec]:
+def gpu_specs(values: Sequence[str] | None, *, host_memory_gib: float | None = None) -> list[GpuSpec]:
+    """The ``--gpu`` specs; ``host_memory_gib`` (``--host-memory``) replaces their nodes' system memory."""
     names = [name.strip() for value in (values or []) for name in value.split(",") if name.strip()]
-    return [gpu_spec(name) for name in names or DEFAULT_GPUS]
+    specs = [gpu_spec(name) for name in names or DEFAULT_GPUS]
+    if host_memory_gib is None:
+        return specs
+    if not host_memory_gib > 0:
+        raise ConfigError(ConfigIssue("--host-memory", f"{host_memory_gib}: give the GiB of system memory per node"))
+    return [dataclasses.replace(spec, host_memory_bytes=int(host_memory_gib * 2**30)) for spec in specs]
 
 
 def micro_batch_limit(value: str) -> int | None:
@@ -91,7 +98,7 @@ def run_plan(args: argparse.Namespace) -> int:
     # counted in the plan's collectives, and not this command's output.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     try:
-        gpus = gpu_specs(args.gpu)
+        gpus = gpu_specs(args.gpu, host_memory_gib=args.host_memory)
         if args.doc_tokens is not None and args.doc_tokens < 1:
             raise ConfigError(ConfigIssue("--doc-tokens", f"{args.doc_tokens}: give a number of tokens >= 1"))
         options = SimulationOptions(
@@ -150,6 +157,13 @@ def memory_refusal(report: PlanReport) -> str | None:
     fit = report.fits[0]
     if fit.fits:
         return None
+    if not fit.host_fits:
+        return (
+            f"host memory: the node's ranks keep {fit.host_bytes_per_node / 2**30:,.1f} GiB in host memory "
+            f"({', '.join(report.simulation.host_bytes)}), more than its {fit.host_memory_bytes / 2**30:,.1f} GiB "
+            f"(--host-memory); set train.optimizer_offload=none or activation_checkpointing.offload=false, or use "
+            "more ranks"
+        )
     term, size = report.simulation.measurement.peak.largest_terms(1)[0]
     return (
         f"estimated peak {fit.peak_bytes / 2**30:,.1f} GiB per rank exceeds the {fit.usable_bytes / 2**30:,.1f} GiB "

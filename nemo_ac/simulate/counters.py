@@ -109,6 +109,22 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
+# The dry run keeps what a GPU run holds in host memory (offloaded activations, offloaded optimizer states) on the
+# "meta" device, so that it leaves the device's accounting; a copy between it and the device is host-link traffic.
+_HOST_STAND_IN = "meta"
+_COPY_PACKETS = frozenset({"copy_", "_to_copy", "copy"})
+
+
+def _host_link_payload(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+    """Bytes a copy moves between the device and the host stand-in; 0 for any other op."""
+    if name not in _COPY_PACKETS:
+        return 0
+    devices = {t.device.type for t in (*inputs, *outputs)}
+    if _HOST_STAND_IN not in devices or len(devices) < 2:
+        return 0
+    return _nbytes(outputs[0])
+
+
 @dataclass
 class CollectiveRecord:
     """Collectives of one (mesh dimension, op, overlapped) key over the counted step. ``overlapped``: issued by
@@ -132,6 +148,9 @@ class OpCost:
     phase: str
     weight: int = 1
     name: str = ""
+    # "host": a copy between the device and host memory (the dry run's host stand-in, "meta"): it crosses the GPU's
+    # host link, not HBM; ``bytes`` is then the payload, one direction.
+    link: str = ""
 
 
 @dataclass
@@ -291,6 +310,10 @@ class StepCounter(TorchDispatchMode):
         outputs = _tensors(out)
         if outputs and packet.__name__ not in _FREE_PACKETS:  # no tensor out: metadata only
             inputs = _tensors((args, kwargs))
+            host_payload = _host_link_payload(packet.__name__, inputs, outputs)
+            if host_payload:
+                self.counts.costs.append(OpCost(0, host_payload, 0, phase, name="host_copy", link="host"))
+                return
             moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
             floating = [t for t in inputs if t.is_floating_point()]
             bits = floating[0].element_size() * 8 if floating else 32

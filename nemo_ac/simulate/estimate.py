@@ -14,7 +14,12 @@ cost time: every elementwise op fused into a neighbour, which torch.compile appr
 
 Overlap: FSDP2's all-gathers and reduce-scatters (and HSDP's all-reduce) run on their own streams and are hidden
 behind compute (step = max(compute, FSDP) + the rest); EP all-to-alls, CP exchanges and the loop's all-reduces are
-on the critical path. torch's ``RuntimeEstimator`` is not used: it reads the peak of the current CUDA device, which
+on the critical path.
+
+Host link: copies between the device and host memory (``OpCost.link == "host"``) cross the GPU's PCIe link at
+``LINK_EFFICIENCY``. Activation offload's copies run on a side stream (hidden behind compute like FSDP's
+collectives); the offloaded optimizer states' copies are issued on the compute stream around the update
+(``train.optimizer_offload: states``) and are on the critical path. torch's ``RuntimeEstimator`` is not used: it reads the peak of the current CUDA device, which
 a CPU process does not have, and cannot be pointed at another GPU.
 """
 
@@ -39,6 +44,8 @@ class StepEstimate:
     executed_flops: int = 0  # per rank, recompute and optimizer included
     peak_flops: float = 0.0
     by_op: dict[str, float] = field(default_factory=dict)  # op name -> seconds of compute (the roofline's)
+    host_overlapped_s: float = 0.0  # host-link copies on a side stream (activation offload)
+    host_exposed_s: float = 0.0  # host-link copies on the compute stream (offloaded optimizer states)
 
     @property
     def mfu(self) -> float:
@@ -47,7 +54,9 @@ class StepEstimate:
     @property
     def step_fused_s(self) -> float:
         """The step if compilation fused every elementwise op into its neighbours (a lower bound)."""
-        return max(self.compute_fused_s, self.overlapped_s) + self.exposed_s
+        return (
+            max(self.compute_fused_s, self.overlapped_s, self.host_overlapped_s) + self.exposed_s + self.host_exposed_s
+        )
 
     @property
     def mfu_fused(self) -> float:
@@ -85,9 +94,17 @@ def collective_seconds(record: CollectiveRecord, kind: str, *, gpu: GpuSpec) -> 
 def estimate_step(counts: StepCounts, *, gpu: GpuSpec) -> StepEstimate:
     """The estimate for one rank's counted step (module docstring)."""
     hbm = gpu.hbm_bytes_per_s * HBM_EFFICIENCY
-    compute = fused = 0.0
+    host_link = gpu.host_link_bytes_per_s * LINK_EFFICIENCY
+    compute = fused = host_overlapped = host_exposed = 0.0
     by_op: dict[str, float] = {}
     for cost in counts.costs:
+        if cost.link == "host":
+            seconds = cost.weight * cost.bytes / host_link
+            if cost.phase == "optimizer":
+                host_exposed += seconds
+            else:
+                host_overlapped += seconds
+            continue
         flop_s = cost.flops / (gpu.matmul_flops(cost.bits) * MATMUL_EFFICIENCY) if cost.flops else 0.0
         byte_s = cost.bytes / hbm
         seconds = cost.weight * max(flop_s, byte_s)
@@ -111,9 +128,11 @@ def estimate_step(counts: StepCounts, *, gpu: GpuSpec) -> StepEstimate:
         comm_s=per_dim,
         overlapped_s=overlapped,
         exposed_s=exposed,
-        step_s=max(compute, overlapped) + exposed,
+        step_s=max(compute, overlapped, host_overlapped) + exposed + host_exposed,
         model_flops=counts.model_flops,
         executed_flops=counts.total_flops,
         peak_flops=gpu.bf16_flops,
         by_op=by_op,
+        host_overlapped_s=host_overlapped,
+        host_exposed_s=host_exposed,
     )

@@ -42,6 +42,8 @@ class GpuSpec:
     hbm_bytes_per_s: float
     nvlink_bytes_per_s: float  # per direction, per GPU
     network_bytes_per_s: float  # per direction, per GPU (one NIC each)
+    host_link_bytes_per_s: float  # GPU <-> host memory per direction, per GPU (its PCIe link)
+    host_memory_bytes: int  # the node's system memory (``nemo-ac plan --host-memory`` replaces it)
     gpus_per_node: int = 8
     source: str = ""
 
@@ -63,6 +65,8 @@ GPUS: dict[str, GpuSpec] = {
         hbm_bytes_per_s=3.35e12,
         nvlink_bytes_per_s=450 * GIGA,  # NVLink 4: 900 GB/s bidirectional
         network_bytes_per_s=50 * GIGA,  # ConnectX-7 NDR 400 Gb/s per GPU
+        host_link_bytes_per_s=64 * GIGA,  # PCIe Gen5 x16
+        host_memory_bytes=2 * 1024 * GiB,  # DGX H100: 2 TB
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5); DGX H100 user guide (8x ConnectX-7 400 Gb/s)",
     ),
     "h200-141gb": GpuSpec(
@@ -75,6 +79,8 @@ GPUS: dict[str, GpuSpec] = {
         hbm_bytes_per_s=4.8e12,
         nvlink_bytes_per_s=450 * GIGA,
         network_bytes_per_s=50 * GIGA,
+        host_link_bytes_per_s=64 * GIGA,  # PCIe Gen5 x16
+        host_memory_bytes=2 * 1024 * GiB,  # DGX H200: 2 TB
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM); DGX H200 user guide (8x ConnectX-7 400 Gb/s)",
     ),
     "b200-180gb": GpuSpec(
@@ -87,6 +93,8 @@ GPUS: dict[str, GpuSpec] = {
         hbm_bytes_per_s=8.0e12,
         nvlink_bytes_per_s=900 * GIGA,  # NVLink 5: 1.8 TB/s bidirectional
         network_bytes_per_s=50 * GIGA,  # DGX B200: 8x ConnectX-7 400 Gb/s
+        host_link_bytes_per_s=64 * GIGA,  # PCIe Gen5 x16
+        host_memory_bytes=4 * 1024 * GiB,  # DGX B200: 4 TB
         source="NVIDIA HGX B200 datasheet (per GPU, sparsity halved); DGX B200 user guide",
     ),
     "a100-80gb": GpuSpec(
@@ -99,6 +107,8 @@ GPUS: dict[str, GpuSpec] = {
         hbm_bytes_per_s=2.039e12,
         nvlink_bytes_per_s=300 * GIGA,  # NVLink 3: 600 GB/s bidirectional
         network_bytes_per_s=25 * GIGA,  # DGX A100: 8x ConnectX-6 HDR 200 Gb/s
+        host_link_bytes_per_s=32 * GIGA,  # PCIe Gen4 x16
+        host_memory_bytes=2 * 1024 * GiB,  # DGX A100 640GB: 2 TB
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); DGX A100 user guide",
     ),
 }
@@ -119,5 +129,6 @@ def assumptions_line(spec: GpuSpec) -> str:
         f"{spec.nvlink_bytes_per_s / GIGA:,.0f} GB/s and network {spec.network_bytes_per_s / GIGA:,.0f} GB/s per "
         f"GPU per direction x {LINK_EFFICIENCY:.0%}, {spec.gpus_per_node} GPUs per node, "
         f"{COLLECTIVE_LATENCY_S * 1e6:.0f} us per collective, {RESERVED_BYTES / GiB:.0f} GiB reserved "
-        "(CUDA context, workspaces, fragmentation)"
+        f"(CUDA context, workspaces, fragmentation), host link {spec.host_link_bytes_per_s / GIGA:,.0f} GB/s per GPU "
+        f"per direction x {LINK_EFFICIENCY:.0%}, host memory {spec.host_memory_bytes / GiB:,.0f} GiB per node"
     )

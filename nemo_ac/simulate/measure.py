@@ -30,7 +30,7 @@ from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.distributed.env import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env
 from nemo_ac.preflight import preflight
 from nemo_ac.simulate.counters import StepCounter, StepCounts
-from nemo_ac.simulate.memory import PeakSampler
+from nemo_ac.simulate.memory import PeakSampler, host_bytes
 from nemo_ac.simulate.run import mesh_group_labels
 from nemo_ac.simulate.step import measure_step, start_like_a_later_step
 from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
@@ -81,6 +81,7 @@ def measure_step_of(
         measured = measure_step(
             trainer, prepared, global_tokens=tokens, counter=counter, sampler=sampler, micro_batch_limit=None
         )
+    host = host_bytes(setup.optimizer, setup.plan.applied.offloader, measured.micro_batches_run)
     # torch's own count over the same micro batches, in a pass of its own: FlopCounterMode keeps tensors alive
     # longer (its module hooks), which moved the tracked peak of the tiny Qwen3 MoE step from 3.1 to 7.2 MB.
     with dtensor_propagation_marked(), FlopCounterMode(display=False) as flop_counter:
@@ -106,6 +107,7 @@ def measure_step_of(
         "peak_bytes": measured.peak.peak_bytes,
         "terms": measured.peak.terms,
         "phase_at_peak": measured.peak.phase_at_peak,
+        "host_bytes": host,
         "flop_counter_total": int(flop_counter.get_total_flops()),
         "micro_batches": measured.micro_batches_per_step,
         "step_wall_s": walls,

@@ -161,3 +161,17 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) ->
                 seen.add(id(storage))
                 total += storage.nbytes()
     return total
+
+
+def host_bytes(optimizer: torch.optim.Optimizer, offloader: Any, micro_batches_run: int) -> dict[str, int]:
+    """Host memory per rank by term: the moments ``train.optimizer_offload: states`` keeps there, and the
+    activations one micro batch offloads (all of them are on the host at the end of its forward). The dry run and
+    the measured step report the same terms (``nemo_ac.simulate.accuracy`` compares them)."""
+    from nemo_ac.trainer.host_optimizer_states import AdamWHostStates
+
+    out = {}
+    if isinstance(optimizer, AdamWHostStates):
+        out["optimizer states"] = optimizer.host_state_bytes()
+    if offloader is not None and offloader.stats.packed_bytes:
+        out["offloaded activations"] = offloader.stats.packed_bytes // max(micro_batches_run, 1)
+    return out

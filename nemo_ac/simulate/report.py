@@ -68,10 +68,20 @@ class Fit:
     gpu: str
     usable_bytes: int
     peak_bytes: int
+    host_bytes_per_node: int = 0  # what the node's ranks keep in host memory (Simulation.host_bytes)
+    host_memory_bytes: int = 0  # the node's system memory (GpuSpec, or --host-memory)
+
+    @property
+    def device_fits(self) -> bool:
+        return self.peak_bytes <= self.usable_bytes
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_bytes_per_node <= self.host_memory_bytes
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.usable_bytes
+        return self.device_fits and self.host_fits
 
     @property
     def headroom_bytes(self) -> int:
@@ -79,7 +89,17 @@ class Fit:
 
 
 def fit_on(simulation: Simulation, gpu: GpuSpec) -> Fit:
-    return Fit(gpu.name, gpu.memory_bytes - RESERVED_BYTES, simulation.measurement.peak.total_bytes)
+    ranks_per_node = min(simulation.layout.world_size, gpu.gpus_per_node)
+    return Fit(
+        gpu.name,
+        gpu.memory_bytes - RESERVED_BYTES,
+        simulation.measurement.peak.total_bytes,
+        # On a CPU plan the host is the device: what it offloads is in the peak already.
+        host_bytes_per_node=sum(simulation.host_bytes.values()) * ranks_per_node
+        if simulation.device_type == "cuda"
+        else 0,
+        host_memory_bytes=gpu.host_memory_bytes,
+    )
 
 
 @dataclass
@@ -124,6 +144,14 @@ class PlanReport:
             )
         for extra in peak.hand_added:
             out.append(f"memory |   {extra.term:<24} {size(extra.bytes):>12}  added by hand: {extra.why}")
+        if sim.host_bytes:
+            terms = ", ".join(f"{term} {size(value)}" for term, value in sim.host_bytes.items())
+            where = (
+                "pinned host memory, off the device"
+                if sim.device_type == "cuda"
+                else "on a CPU run the host is the device: in the peak above too"
+            )
+            out.append(f"host | per rank: {terms} ({where})")
         mb = f"{m.micro_batches_run} of {m.micro_batches_per_step} micro batches run"
         if m.micro_batches_run < m.micro_batches_per_step:
             mb += f" (the other {m.micro_batches_per_step - m.micro_batches_run} counted as the last one run)"
@@ -142,19 +170,31 @@ class PlanReport:
                 + (", overlapped by FSDP)" if hidden else ", blocking)")
             )
         for estimate, fit in zip(self.estimates, self.fits, strict=True):
-            verdict = "fits" if fit.fits else "DOES NOT FIT"
+            verdict = "fits" if fit.device_fits else "DOES NOT FIT"
             dominant = ", ".join(f"{name} {seconds(spent)}" for name, spent in estimate.dominant())
             out.append(
                 f"estimate | {estimate.gpu}: step {seconds(estimate.step_s)} eager, {seconds(estimate.step_fused_s)} "
                 f"fully fused | MFU {estimate.mfu:.1%} .. {estimate.mfu_fused:.1%} | "
                 f"{sim.tokens_per_step / estimate.step_s:,.0f} .. {sim.tokens_per_step / estimate.step_fused_s:,.0f} "
                 f"tokens/s | memory {verdict}: {size(fit.peak_bytes)} of {size(fit.usable_bytes)} usable "
-                f"(headroom {'+' if fit.fits else '-'}{size(abs(fit.headroom_bytes))})"
+                f"(headroom {'+' if fit.device_fits else '-'}{size(abs(fit.headroom_bytes))})"
+                + (
+                    f" | host memory {'fits' if fit.host_fits else 'DOES NOT FIT'}: {size(fit.host_bytes_per_node)} "
+                    f"per node of {size(fit.host_memory_bytes)}"
+                    if fit.host_bytes_per_node
+                    else ""
+                )
             )
             out.append(
                 f"estimate | {estimate.gpu}:   compute {seconds(estimate.compute_s)} eager / "
                 f"{seconds(estimate.compute_fused_s)} fused (most: {dominant}); FSDP comm {seconds(estimate.overlapped_s)} "
                 f"overlapped; blocking comm {seconds(estimate.exposed_s)}"
+                + (
+                    f"; host link {seconds(estimate.host_exposed_s)} blocking (optimizer states), "
+                    f"{seconds(estimate.host_overlapped_s)} overlapped (activation offload)"
+                    if estimate.host_exposed_s or estimate.host_overlapped_s
+                    else ""
+                )
                 + "".join(f"; {dim} {seconds(spent)}" for dim, spent in sorted(estimate.comm_s.items()))
             )
         for gpu in self.gpus:
@@ -193,6 +233,7 @@ class PlanReport:
                 "comm_buffers_at_peak_bytes": m.peak.comm_bytes_at_peak,
                 "phase_at_peak": m.peak.phase_at_peak,
                 "hand_added": [{"term": h.term, "bytes": h.bytes, "why": h.why} for h in m.peak.hand_added],
+                "host_bytes_per_rank": sim.host_bytes,
             },
             "flops": {**counts.flops, "total": counts.total_flops, "model": counts.model_flops},
             "ops_without_formula": dict(counts.without_formula),
@@ -220,11 +261,15 @@ class PlanReport:
                     "dominant_ops_s": dict(e.dominant(5)),
                     "overlapped_comm_s": e.overlapped_s,
                     "blocking_comm_s": e.exposed_s,
+                    "host_link_blocking_s": e.host_exposed_s,
+                    "host_link_overlapped_s": e.host_overlapped_s,
                     "comm_s_by_dim": e.comm_s,
                     "mfu": e.mfu,
                     "mfu_fused": e.mfu_fused,
                     "tokens_per_s": sim.tokens_per_step / e.step_s if e.step_s else 0.0,
                     "fits": f.fits,
+                    "host_bytes_per_node": f.host_bytes_per_node,
+                    "host_memory_bytes": f.host_memory_bytes,
                     "usable_bytes": f.usable_bytes,
                     "headroom_bytes": f.headroom_bytes,
                     "assumptions": assumptions_line(g),

@@ -34,7 +34,7 @@ from nemo_ac.distributed.plan.kernels import resolve_mixer_kernel
 from nemo_ac.models.freeze import freeze
 from nemo_ac.simulate.counters import WORLD, StepCounter
 from nemo_ac.simulate.inputs import DataAssumption, reads_offline, standin_micro_batches
-from nemo_ac.simulate.memory import HandAdded, PeakSampler
+from nemo_ac.simulate.memory import HandAdded, PeakSampler, host_bytes
 from nemo_ac.simulate.routing import RoutingAssumption, install_assumed_routing
 from nemo_ac.simulate.step import StepMeasurement, measure_step, start_like_a_later_step
 from nemo_ac.trainer.batching import make_batch_preparer
@@ -82,6 +82,9 @@ class Simulation:
     measurement: StepMeasurement
     stand_ins: list[str] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
+    # What the run keeps in host memory per rank, by term (offloaded optimizer states, offloaded activations of one
+    # micro batch; ``memory.host_bytes``). On a CPU plan the host is the device: counted in the peak as well.
+    host_bytes: dict[str, int] = field(default_factory=dict)
     tokens_per_step: int = 0  # global tokens of one step
     wall_s: float = 0.0
     peak_rss_bytes: int = 0
@@ -239,11 +242,14 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         switches = dataclasses.asdict(sim_recipe.train.freeze)
         frozen = freeze(model, **switches) if any(switches.values()) else {}
         # The AdamW kernel of the planned device (fused on CUDA: no temporary fp32 copy at the step).
+        # Offloaded optimizer states go to "meta" on a GPU plan: they leave the device's accounting (host memory
+        # is reported apart); on a CPU plan the host is the device.
         optimizer = build_optimizer(
             model,
             sim_recipe.train,
             device_type=device_type,
             extensions=sim_recipe.extensions.allow,
+            host="meta" if device_type == "cuda" else "cpu",
         )
         scheduler = build_scheduler(optimizer, sim_recipe.train, extensions=sim_recipe.extensions.allow)
         if sim_recipe.train.optimizer is None:
@@ -286,6 +292,8 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
                 f"{type(exc).__name__}: "
                 f"{first}"
             ) from exc
+    offloader = applied.applied.offloader if applied.applied else None
+    host = host_bytes(optimizer, offloader, measurement.micro_batches_run)
     if recipe.backend.dispatcher == "deepep" and layout.ep > 1:
         measurement.peak.hand_added.append(
             HandAdded("DeepEP buffers", DEEPEP_BUFFER_BYTES, "deep_ep.Buffer NVLink + RDMA buffers (assumed size)")
@@ -302,6 +310,7 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         stand_ins=stand_ins,
         assumptions=assumptions,
         tokens_per_step=tokens,
+        host_bytes=host,
         wall_s=time.perf_counter() - started,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )

@@ -111,6 +111,11 @@ def simulate_scaled(recipe: RecipeConfig, layout: ParallelLayout, options: Simul
         micro_batches_per_step=b.micro_batches_per_step,
         phase_peaks=phase_peaks,
     )
+    # Host memory grows block by block too (each block's offloaded states and activations).
+    host_bytes = {
+        term: max(value + sum(times * (run.host_bytes.get(term, 0) - value) for run, times in runs), 0)
+        for term, value in base.host_bytes.items()
+    }
     described = ", ".join(f"{counts[kind]} x {kind}" for kind in order)
     _, full, _, _ = target_plan(recipe, layout)
     return dataclasses.replace(
@@ -118,6 +123,7 @@ def simulate_scaled(recipe: RecipeConfig, layout: ParallelLayout, options: Simul
         recipe=recipe,
         plan=full,
         measurement=measurement,
+        host_bytes=host_bytes,
         assumptions=[
             *base.assumptions,
             f"depth scaled: {1 + len(runs)} dry runs of {len(order)}-{len(order) + 1} blocks at real width, scaled to "

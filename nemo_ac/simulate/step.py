@@ -14,13 +14,14 @@ the last one run again for each left out; the report says so.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from nemo_ac.simulate.counters import OpCost, StepCounter, StepCounts
+from nemo_ac.simulate.counters import StepCounter, StepCounts
 from nemo_ac.simulate.memory import PeakMemory, PeakSampler
 from nemo_ac.trainer.loop import PreparedBatch, Trainer
 
@@ -51,9 +52,7 @@ def combine(parts: Sequence[tuple[StepCounts, int]]) -> StepCounts:
             mine.payload_bytes += record.payload_bytes * times
             mine.wire_bytes += record.wire_bytes * times
         out.costs.extend(
-            part.costs
-            if times == 1
-            else [OpCost(c.flops, c.bytes, c.bits, c.phase, c.weight * times, c.name) for c in part.costs]
+            part.costs if times == 1 else [dataclasses.replace(c, weight=c.weight * times) for c in part.costs]
         )
     out.without_formula = defaultdict(int, {k: v for k, v in out.without_formula.items() if v > 0})
     out.collectives = {k: r for k, r in out.collectives.items() if r.calls > 0}

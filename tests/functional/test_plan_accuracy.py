@@ -1,6 +1,7 @@
 """The dry run against real gloo runs of the same step: the four tiny recipes at their own layouts, HSDP 2x2 and
 ring cp2, the first and the last rank (every rank: ``benchmarks/plan_accuracy.py``). Per rank: predicted peak within 10% of the measured one (the same tracker, FSDPMemTracker, in
-real mode), predicted FLOPs within 1% of FlopCounterMode over the real step, collective bytes exactly equal.
+real mode), predicted FLOPs within 1% of FlopCounterMode over the real step, collective bytes exactly equal, and
+the host memory of offloaded optimizer states and activations (GLM and Qwen3.6 tiny recipes) equal by term.
 
 Both sides run with ``model.moe.force_balanced_routing`` (the dry run's default routing assumption, so expert
 parallel moves the same rows) and without torch.compile (the dry run counts the eager op stream).
@@ -60,3 +61,5 @@ def test_the_dry_run_predicts_every_rank_of_the_real_step(name: str, measured: d
         assert result.measured_flops == result.flop_counter_flops  # nemo_ac's count is FlopCounterMode's
         assert abs(result.flops_ratio - 1) <= 0.01, result.line()
         assert result.collectives_equal, result.line()
+        # Host memory (offloaded AdamW states, offloaded activations), by term, as the real step kept it.
+        assert result.predicted_host == result.measured_host, result.line()

@@ -67,6 +67,7 @@ def test_the_dry_run_steps_the_adamw_kernel_of_the_planned_device(device: str) -
         (["--world-size", "3", "parallel.dp_shard=2"], "parallel"),
         (["--world-size", "2", "--imbalance", "0.5", "parallel.ep=2"], "--imbalance"),
         (["--world-size", "2", "--micro-batches", "zero"], "--micro-batches"),
+        (["--world-size", "2", "--host-memory", "0"], "--host-memory"),
         ([], "--world-size"),  # dp_shard -1: the recipe fixes no world size
     ],
 )

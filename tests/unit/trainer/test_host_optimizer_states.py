@@ -1,15 +1,22 @@
 """``train.optimizer_offload: states``: AdamW with its moments in host memory updates every parameter bitwise as
-torch's AdamW does and keeps its states on the host across a checkpoint round trip."""
+torch's AdamW does, keeps its states on the host across a checkpoint round trip, and the dry run moves them off the
+device's accounting onto the host link."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
+from nemo_ac.config import load_recipe, validate_recipe
+from nemo_ac.simulate.gpus import GPUS
+from nemo_ac.simulate.report import PlanReport
+from nemo_ac.simulate.run import SimulationOptions, simulate
 from nemo_ac.trainer.host_optimizer_states import AdamWHostStates
 
+ROOT = Path(__file__).resolve().parents[3]
 SHAPES = [(30, 20), (20,), (7, 3, 5), (64, 8)]
 
 
@@ -87,3 +94,27 @@ def test_a_state_dict_round_trip_keeps_the_states_on_the_host_and_continues_bitw
     restored_on_cpu.load_state_dict(saved)
     _train(restored_on_cpu, resumed, range(6, 10))
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+
+
+def test_the_dry_run_keeps_offloaded_states_off_the_device_and_times_their_copies() -> None:
+    overrides = ["dist.device=cuda", "dist.backend=nccl"]
+    runs = {}
+    for policy in ("none", "states"):
+        recipe = load_recipe(
+            ROOT / "recipes/tiny/qwen3_moe_tiny.yaml", [*overrides, f"train.optimizer_offload={policy}"]
+        )
+        runs[policy] = simulate(recipe, validate_recipe(recipe, world_size=2), SimulationOptions(world_size=2))
+    on_device, offloaded = runs["none"], runs["states"]
+    states = on_device.measurement.phase_peaks["optimizer"].terms["optimizer states"]
+    # The moments leave the device (its step scalars stay); the host holds them, as many bytes.
+    assert offloaded.host_bytes["optimizer states"] == pytest.approx(states, rel=0.05)
+    assert offloaded.measurement.phase_peaks["optimizer"].terms["optimizer states"] < states // 20
+    assert on_device.host_bytes == {}
+    h100 = GPUS["h100-80gb"]
+    report = PlanReport.build(offloaded, [h100])
+    estimate, fit = report.estimates[0], report.fits[0]
+    moved = 2 * offloaded.host_bytes["optimizer states"]  # to the device and back, on the compute stream
+    assert estimate.host_exposed_s == pytest.approx(moved / (h100.host_link_bytes_per_s * 0.8))
+    assert estimate.step_s >= PlanReport.build(on_device, [h100]).estimates[0].step_s + estimate.host_exposed_s * 0.99
+    assert fit.host_bytes_per_node == 2 * offloaded.host_bytes["optimizer states"]  # 2 ranks on one node
+    assert "host | per rank: optimizer states" in "\n".join(report.lines())
