@@ -2,7 +2,8 @@
 
 A neighbour changes one choice of the recipe: expert parallel halved or doubled, context parallel halved or doubled
 (each CP type that validates), the other CP type, full instead of selective activation checkpointing (or selective
-instead of full), the micro batch halved or doubled. Each candidate that validates is dry-run with ``--depth
+instead of full), the micro batch halved or doubled, AdamW's states on the host instead of the device (or back), the
+loss in 1024-token chunks instead of whole logits (or back). Each candidate that validates is dry-run with ``--depth
 scaled`` (one block of each kind, scaled: minutes for the whole sweep, not hours) and kept when its estimated peak
 fits every GPU asked for; the rest are listed with the reason. The ranking key is the estimated step time on the
 first GPU (eager bound): an estimate, as every number of the plan.
@@ -41,6 +42,10 @@ def _with(recipe: RecipeConfig, **changes: object) -> RecipeConfig:
         out = dataclasses.replace(out, activation_checkpointing=ac)
     if "mb" in changes:
         out = dataclasses.replace(out, train=dataclasses.replace(out.train, micro_batch_size=changes["mb"]))
+    if "offload" in changes:
+        out = dataclasses.replace(out, train=dataclasses.replace(out.train, optimizer_offload=changes["offload"]))
+    if "chunk" in changes:
+        out = dataclasses.replace(out, train=dataclasses.replace(out.train, loss_chunk_tokens=changes["chunk"]))
     return out
 
 
@@ -68,6 +73,12 @@ def neighbours(recipe: RecipeConfig) -> list[Candidate]:
     if mb > 1:
         add(f"mb {mb // 2}", mb=mb // 2)
     add(f"mb {mb * 2}", mb=mb * 2)
+    # The memory levers (docs/planning.md, "Memory levers"): AdamW's states on the other side, the loss chunked or not.
+    if recipe.train.optimizer is None:
+        other = "none" if recipe.train.optimizer_offload == "states" else "states"
+        add(f"optimizer_offload {other}", offload=other)
+    chunk = 0 if recipe.train.loss_chunk_tokens else 1024
+    add(f"loss_chunk_tokens {chunk}", chunk=chunk)
     return out
 
 

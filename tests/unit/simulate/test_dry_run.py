@@ -102,6 +102,18 @@ def test_a_fake_mode_failure_inside_a_custom_op_names_the_op(monkeypatch: pytest
         simulate(recipe, layout, SimulationOptions(world_size=2))
 
 
+def test_the_sweep_tries_each_memory_lever_the_other_way() -> None:
+    from nemo_ac.simulate.sweep import neighbours
+
+    path, _ = FLAGSHIPS["qwen3_6"]
+    candidates = {c.label: c.recipe.train for c in neighbours(load_recipe(path))}
+    assert candidates["optimizer_offload none"].optimizer_offload == "none"
+    assert candidates["loss_chunk_tokens 0"].loss_chunk_tokens == 0
+    tiny = {c.label: c.recipe.train for c in neighbours(load_recipe(TINY))}
+    assert tiny["optimizer_offload states"].optimizer_offload == "states"
+    assert tiny["loss_chunk_tokens 1024"].loss_chunk_tokens == 1024
+
+
 def test_routing_assumption_counts() -> None:
     balanced = RoutingAssumption().expert_counts(rows=10, num_experts=4)
     assert balanced == [3, 3, 2, 2]  # round robin: what force_balanced_routing routes
