@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 from torch.optim.optimizer import _get_scalar_dtype
 
@@ -97,9 +98,11 @@ class AdamWHostStates(torch.optim.AdamW):
                     else torch.tensor(0.0, dtype=_get_scalar_dtype())
                 )
             for name in MOMENTS:
-                on_device = torch.zeros_like(param, memory_format=torch.preserve_format)
                 if name in state:
+                    on_device = torch.empty_like(param, memory_format=torch.preserve_format)
                     on_device.copy_(state[name], non_blocking=True)
+                else:  # AdamW's first step starts from zeros
+                    on_device = torch.zeros_like(param, memory_format=torch.preserve_format)
                 moments[name].append(on_device)
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
@@ -133,9 +136,18 @@ class AdamWHostStates(torch.optim.AdamW):
                 state[name].copy_(moments[name][index], non_blocking=True)
 
     def _host_like(self, param: torch.Tensor) -> torch.Tensor:
-        pin = param.device.type == "cuda" and self.host.type == "cpu"
-        host = torch.empty_like(param, device=self.host, memory_format=torch.preserve_format)
-        return host.pin_memory() if pin else host
+        """An empty host tensor shaped as ``param``; for a DTensor, its local shard on the host wrapped with the
+        parameter's mesh and placements (as FSDP2's own CPU offload holds its shards), so that pinning and DCP see
+        a plain local tensor."""
+        local = param.to_local() if isinstance(param, DTensor) else param
+        host = torch.empty_like(local, device=self.host, memory_format=torch.preserve_format)
+        if local.device.type == "cuda" and self.host.type == "cpu":
+            host = host.pin_memory()  # copies from and to pinned memory are asynchronous DMA
+        if not isinstance(param, DTensor):
+            return host
+        return DTensor.from_local(
+            host, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict`` moves every state to its parameter's device; the moments go back to the
@@ -155,6 +167,6 @@ class AdamWHostStates(torch.optim.AdamW):
             for name in MOMENTS:
                 value = state.get(name)
                 if value is not None:
-                    local = value.to_local() if hasattr(value, "to_local") else value
+                    local = value.to_local() if isinstance(value, DTensor) else value
                     total += _nbytes(local)
         return total
