@@ -24,11 +24,15 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
-from torch.optim.optimizer import _get_scalar_dtype
 
 # Bytes of moment states per device bucket: what the device holds of them during the step.
 DEFAULT_BUCKET_BYTES = 2**30
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _step_dtype() -> torch.dtype:
+    """The dtype torch's AdamW gives a non-fused ``step``: float64 under a float64 default dtype, else float32."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -93,9 +97,9 @@ class AdamWHostStates(torch.optim.AdamW):
             state = self.state[param]
             if not state:
                 state["step"] = (
-                    torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=param.device)
+                    torch.zeros((), dtype=torch.float32, device=param.device)
                     if fused
-                    else torch.tensor(0.0, dtype=_get_scalar_dtype())
+                    else torch.tensor(0.0, dtype=_step_dtype())
                 )
             for name in MOMENTS:
                 if name in state:
