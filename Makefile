@@ -32,11 +32,8 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m nemo_ac.config.reference --check docs/config_reference.md
 
-# Inductor compiles with a pool of min(32, cores) worker processes in every process that compiles; with 2-4 gloo
-# ranks per test on a small CI machine the pools cost more than they save (tests/functional/test_compile_once.py on
-# 2 cores: 120 s -> 98 s with one compile thread). Set TORCHINDUCTOR_COMPILE_THREADS to override.
 test: lint
-	TORCHINDUCTOR_COMPILE_THREADS=$${TORCHINDUCTOR_COMPILE_THREADS:-1} $(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(ARGS)
 
 test-torch:
 	PYTHON=$(PYTHON) bash scripts/test_torch.sh $(TORCH) $(TESTS) $(ARGS)
