@@ -19,8 +19,10 @@ on the critical path.
 Host link: copies between the device and host memory (``OpCost.link == "host"``) cross the GPU's PCIe link at
 ``LINK_EFFICIENCY``. Activation offload's copies run on a side stream (hidden behind compute like FSDP's
 collectives); the offloaded optimizer states' copies are issued on the compute stream around the update
-(``train.optimizer_offload: states``) and are on the critical path. torch's ``RuntimeEstimator`` is not used: it reads the peak of the current CUDA device, which
-a CPU process does not have, and cannot be pointed at another GPU.
+(``train.optimizer_offload: states``) and are on the critical path.
+
+torch's ``RuntimeEstimator`` is not used: it reads the peak of the current CUDA device, which a CPU process does
+not have, and cannot be pointed at another GPU.
 """
 
 from __future__ import annotations

@@ -132,7 +132,5 @@ class CausalLM(nn.Module):
         root unit for its forward and keeps it through backward)."""
         if labels is None:
             return ModelOutput(logits=self.lm_head(hidden), router_stats=router_stats)
-        if loss_chunk_tokens < 1:
-            raise ValueError(f"labels need loss_chunk_tokens >= 1, got {loss_chunk_tokens}")
         ce_sum = chunked_cross_entropy_sum(hidden, self.lm_head.weight, labels, chunk_tokens=loss_chunk_tokens)
         return ModelOutput(ce_sum=ce_sum, router_stats=router_stats)
