@@ -109,6 +109,22 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
+def _written_bytes(func: Any, args: Any, kwargs: dict) -> int:
+    """Bytes an op returning nothing writes into its arguments (the schema's ``Tensor(a!)`` ones): fused and foreach
+    optimizer updates (``_fused_adamw_``, ``_foreach_mul_``) and FSDP2's copy-out (``split_with_sizes_copy(out=)``),
+    whose traffic a count of outputs alone would miss. The schema's marks are an upper bound where a kernel writes
+    conditionally (``_fused_adamw_`` marks its gradients written, for unscaling under a grad scaler)."""
+    schema = getattr(func, "_schema", None)
+    total = 0
+    for index, argument in enumerate(getattr(schema, "arguments", ())):
+        alias = argument.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        total += sum(_nbytes(t) for t in _tensors(value))
+    return total
+
+
 # The dry run keeps what a GPU run holds in host memory (offloaded activations, offloaded optimizer states) on the
 # "meta" device, so that it leaves the device's accounting; a copy between it and the device is host-link traffic.
 _HOST_STAND_IN = "meta"
@@ -117,7 +133,7 @@ _COPY_PACKETS = frozenset({"copy_", "_to_copy", "copy"})
 
 def _host_link_payload(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
     """Bytes a copy moves between the device and the host stand-in; 0 for any other op."""
-    if name not in _COPY_PACKETS:
+    if name not in _COPY_PACKETS or not outputs:
         return 0
     devices = {t.device.type for t in (*inputs, *outputs)}
     if _HOST_STAND_IN not in devices or len(devices) < 2:
@@ -149,7 +165,9 @@ class OpCost:
     weight: int = 1
     name: str = ""
     # "host": a copy between the device and host memory (the dry run's host stand-in, "meta"): it crosses the GPU's
-    # host link, not HBM; ``bytes`` is then the payload, one direction.
+    # host link, not HBM; ``bytes`` is then the payload, one direction. "host_blocking": the same, with the compute
+    # stream waiting for it. "host_memory": an op on tensors in host memory (the optimizer step over the shards
+    # ``train.optimizer_offload: full`` keeps there): the node's DRAM bandwidth, shared by its ranks.
     link: str = ""
 
 
@@ -308,13 +326,14 @@ class StepCounter(TorchDispatchMode):
         elif needs_formula(func):
             self.counts.without_formula[str(packet)] += 1
         outputs = _tensors(out)
-        if outputs and packet.__name__ not in _FREE_PACKETS:  # no tensor out: metadata only
+        written = 0 if outputs else _written_bytes(func, args, kwargs)
+        if (outputs or written) and packet.__name__ not in _FREE_PACKETS:  # no tensor out or written: metadata only
             inputs = _tensors((args, kwargs))
             host_payload = _host_link_payload(packet.__name__, inputs, outputs)
             if host_payload:
                 self.counts.costs.append(OpCost(0, host_payload, 0, phase, name="host_copy", link="host"))
                 return
-            moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
+            moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs) + written
             floating = [t for t in inputs if t.is_floating_point()]
             bits = floating[0].element_size() * 8 if floating else 32
             if moved or flops:
