@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nemo_ac WARNING: {hazard}", file=sys.stderr, flush=True)
     # Before the process group: a signal during start-up stops before step 1, or at the deadline.
     stop = StopSignal(deadline_s=recipe.train.stop_deadline_s).install()
-    env = init_distributed(recipe.dist)
+    env = init_distributed(recipe.dist, host_collectives=recipe.train.optimizer_offload == "full")
     try:
         run(recipe, layout, env, stop)
     except BaseException as exc:

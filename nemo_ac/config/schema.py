@@ -410,8 +410,11 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global L2 gradient norm (over every mesh); 0 disables clipping (the norm is logged)
     # Where the built-in AdamW keeps its moment states (exp_avg, exp_avg_sq: 8 bytes per trainable parameter)
     # between steps: none = on the device; states = in (pinned) host memory, copied to the device bucket by bucket
-    # for the update and back (trainer/host_optimizer_states.py; bitwise the same update, DCP checkpoints unchanged).
-    optimizer_offload: Literal["none", "states"] = "none"
+    # for the update and back (trainer/host_optimizer_states.py; bitwise the same update, DCP checkpoints unchanged);
+    # full = the fp32 sharded parameters, their gradients and every optimizer state in host memory (FSDP2's
+    # CPUOffloadPolicy: each unit's shard is copied to the device for its all-gather, each reduced gradient back) and
+    # the optimizer step on the host: 16 bytes per parameter leave the device, any train.optimizer works.
+    optimizer_offload: Literal["none", "states", "full"] = "none"
     # The LM head and the cross entropy over this many tokens at a time (models/common/chunked_cross_entropy.py):
     # no [tokens, vocab] logits in forward or backward, one extra LM-head matmul per token (backward recomputes each
     # chunk). 0 computes the whole micro batch's logits at once.

@@ -252,13 +252,13 @@ def check_training(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
         issues.append(ConfigIssue("train.betas", f"{t.betas} must be two numbers in [0, 1)"))
     if not math.isfinite(t.grad_clip) or t.grad_clip < 0:
         issues.append(ConfigIssue("train.grad_clip", f"must be a finite number >= 0 (0 disables), got {t.grad_clip}"))
-    if t.optimizer_offload != "none" and t.optimizer is not None:
+    if t.optimizer_offload == "states" and t.optimizer is not None:
         issues.append(
             ConfigIssue(
                 "train.optimizer_offload",
                 f"{t.optimizer_offload!r} keeps the built-in AdamW's states on the host and cannot move the states "
-                f"of train.optimizer ({t.optimizer.get('_target_')}); remove train.optimizer or set "
-                "train.optimizer_offload=none",
+                f"of train.optimizer ({t.optimizer.get('_target_')}); remove train.optimizer, set "
+                "train.optimizer_offload=full (any optimizer steps the host shards) or none",
             )
         )
     if t.loss_chunk_tokens < 0:

@@ -43,10 +43,13 @@ def resolve_device_type(cfg: DistConfig) -> str:
     return "cuda" if torch.cuda.is_available() and cfg.backend != "gloo" else "cpu"
 
 
-def resolve_backend(cfg: DistConfig, device_type: str) -> str:
-    if cfg.backend != "auto":
-        return cfg.backend
-    return "nccl" if device_type == "cuda" else "gloo"
+def resolve_backend(cfg: DistConfig, device_type: str, *, host_collectives: bool = False) -> str:
+    """``auto``: nccl on CUDA, gloo on CPU. ``host_collectives``: some collectives take host tensors (the gradient
+    norm over FSDP shards kept on the host, ``train.optimizer_offload: full``), so nccl gets gloo beside it for CPU
+    tensors (as torchtitan does for its CPU offload); nccl alone fails them with "No backend type associated with
+    device type cpu"."""
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+    return "cuda:nccl,cpu:gloo" if backend == "nccl" and host_collectives else backend
 
 
 def _free_port() -> int:
@@ -55,8 +58,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def init_distributed(cfg: DistConfig) -> DistEnv:
-    """Initialize the default process group (a world of 1 when not launched by torchrun)."""
+def init_distributed(cfg: DistConfig, *, host_collectives: bool = False) -> DistEnv:
+    """Initialize the default process group (a world of 1 when not launched by torchrun); ``host_collectives`` as
+    ``resolve_backend``'s."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = world_size_from_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -64,7 +68,7 @@ def init_distributed(cfg: DistConfig) -> DistEnv:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(_free_port())
     device_type = resolve_device_type(cfg)
-    backend = resolve_backend(cfg, device_type)
+    backend = resolve_backend(cfg, device_type, host_collectives=host_collectives)
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -92,7 +96,7 @@ def destroy_distributed(*, synchronize: bool = True) -> None:
     if not dist.is_initialized():
         return
     if synchronize:
-        if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        if torch.cuda.is_available() and "nccl" in str(dist.get_backend()):
             torch.cuda.synchronize()
         dist.barrier()
     dist.destroy_process_group()

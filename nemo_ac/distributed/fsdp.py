@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 from nemo_ac.distributed.blocks import decoder_layers, routed_moe, unwrap_block, vision_blocks
 from nemo_ac.distributed.plan import FSDPUnit, ParallelPlan
@@ -53,6 +60,11 @@ def apply_fsdp(
     mesh, the experts on the expert mesh).
     """
     fsdp = plan.fsdp
+    # train.optimizer_offload: full. Every unit, the root included: a unit left on the device would keep its fp32
+    # shard, gradient and states there, and the optimizer would step tensors on two devices.
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=fsdp.pin_host_memory) if fsdp.parameters_on_host else OffloadPolicy()
+    )
     mp = MixedPrecisionPolicy(param_dtype=torch_dtype(fsdp.param_dtype), reduce_dtype=torch_dtype(fsdp.reduce_dtype))
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     units: list[FSDPModule] = []
@@ -63,7 +75,13 @@ def apply_fsdp(
     for block, block_plan in zip(vision_blocks(model) or [], plan.vision_blocks()):
         target = unwrap_block(block) if block_plan.fsdp_unit is FSDPUnit.BLOCK else block
         units.append(
-            fully_shard(target, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
+            fully_shard(
+                target,
+                mesh=dense_mesh,
+                mp_policy=mp,
+                reshard_after_forward=fsdp.reshard_after_forward,
+                offload_policy=offload,
+            )
         )
     for block, block_plan in zip(decoder_layers(model), plan.decoder_blocks()):
         nested: list[FSDPModule] = []
@@ -75,6 +93,7 @@ def apply_fsdp(
                     mesh=dense_mesh,
                     mp_policy=fp32,
                     reshard_after_forward=fsdp.reshard_after_forward,
+                    offload_policy=offload,
                 )
             else:
                 unit = fully_shard(
@@ -82,18 +101,23 @@ def apply_fsdp(
                     mesh=expert_mesh,
                     mp_policy=mp,
                     reshard_after_forward=fsdp.reshard_after_forward,
+                    offload_policy=offload,
                     shard_placement_fn=_shard_placement_for_experts(expert_mesh),
                 )
             nested.append(unit)
         target = unwrap_block(block) if block_plan.fsdp_unit is FSDPUnit.BLOCK else block
         block_unit = fully_shard(
-            target, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward
+            target,
+            mesh=dense_mesh,
+            mp_policy=mp,
+            reshard_after_forward=fsdp.reshard_after_forward,
+            offload_policy=offload,
         )
         units.extend(nested)
         units.append(block_unit)
         block_units.append(block_unit)
         nested_by_block.append(nested)
-    root = fully_shard(model, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False)
+    root = fully_shard(model, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
     units.append(root)
     if callable(getattr(model, "embed_inputs", None)):
         # Vision-language models embed the full micro batch (vision tower + token table) before the sequence is

@@ -40,6 +40,7 @@ def parallelize(
     backend: BackendConfig,
     data: DataConfig | None = None,
     kernels: KernelPlan | None = None,
+    optimizer_offload: str = "none",
 ) -> ParallelPlan:
     """Decide the plan for a meta-device model, apply it in place (weights are materialized afterwards), return it.
     ``kernels``: the ``KernelPlan`` the model was built with (left out: resolved from ``backend`` for the mesh's
@@ -56,6 +57,7 @@ def parallelize(
         ep=meshes.layout.ep,
         cp=meshes.layout.cp,
         device_type=meshes.device_type,
+        optimizer_offload=optimizer_offload,
     )
     return apply_plan(model, plan=plan, meshes=meshes)
 

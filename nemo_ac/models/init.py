@@ -109,6 +109,25 @@ def init_weights(model: nn.Module, *, seed: int, init_std: float | None = None, 
         copy_full_into(tensor, full)
 
 
+def to_empty_placed(
+    model: nn.Module, *, device: torch.device | str, parameter_device: torch.device | str | None = None
+) -> None:
+    """``model.to_empty(device)``; with ``parameter_device`` the parameters there and the buffers on ``device``.
+
+    FSDP2's ``CPUOffloadPolicy`` (``train.optimizer_offload: full``) keeps the sharded parameters on the host and
+    refuses any other placement at its lazy init ("FSDP parameters should be materialized on CPU when enabling CPU
+    offloading"), while buffers (RoPE tables, router correction biases) are read by the device's kernels directly.
+    """
+    if parameter_device is None or torch.device(parameter_device) == torch.device(device):
+        model.to_empty(device=device)
+        return
+    model.to_empty(device=parameter_device)
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+
+
 def materialize_and_init(
     model: nn.Module,
     *,
@@ -116,12 +135,14 @@ def materialize_and_init(
     seed: int,
     init_std: float | None = None,
     family: str | None = None,
+    parameter_device: torch.device | str | None = None,
 ) -> nn.Module:
     """``to_empty(device)`` then ``init_weights``. Works before or after fully_shard / EP sharding.
 
-    ``init_std`` and ``family`` default to ``model.config`` (the ``ModelConfig`` the builder stored).
+    ``init_std`` and ``family`` default to ``model.config`` (the ``ModelConfig`` the builder stored);
+    ``parameter_device``: where the parameters live when not on ``device`` (``to_empty_placed``).
     """
-    model.to_empty(device=device)
+    to_empty_placed(model, device=device, parameter_device=parameter_device)
     tie = getattr(model, "tie_weights", None)
     cfg = getattr(model, "config", None)
     if tie is not None and getattr(cfg, "tie_word_embeddings", False):

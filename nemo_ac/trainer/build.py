@@ -78,6 +78,7 @@ def plan_recipe(
         cp=layout.cp,
         device_type=device_type,
         torch_version=torch_version,
+        optimizer_offload=recipe.train.optimizer_offload,
     )
 
 
@@ -100,6 +101,7 @@ def build_parallel_model(
         backend=recipe.backend,
         data=recipe.data,
         kernels=kernels,
+        optimizer_offload=recipe.train.optimizer_offload,
     )
     return model, meshes, plan
 
@@ -108,7 +110,13 @@ def build_training(recipe: RecipeConfig, layout: ParallelLayout, *, device: torc
     """The parallelized model with its weights, frozen groups, optimizer, scheduler and this rank's data."""
     recipe, kernels = choose_kernels(recipe, device_type=device.type)
     model, meshes, plan = build_parallel_model(recipe, layout, device=device, kernels=kernels)
-    weights = materialize_weights(model, model_config=recipe.model, device=device, seed=recipe.train.seed)
+    weights = materialize_weights(
+        model,
+        model_config=recipe.model,
+        device=device,
+        seed=recipe.train.seed,
+        parameter_device=torch.device("cpu") if plan.fsdp.parameters_on_host else None,
+    )
     switches = dataclasses.asdict(recipe.train.freeze)
     frozen = freeze(model, **switches) if any(switches.values()) else {}
     optimizer = build_optimizer(model, recipe.train, device_type=device.type, extensions=recipe.extensions.allow)

@@ -101,17 +101,25 @@ def resolve_pretrained_once_per_node(name_or_path: str) -> Path:
     return once_per_node(lambda: resolve_pretrained(name_or_path))
 
 
-def materialize_weights(model: nn.Module, *, model_config: ModelConfig, device: torch.device, seed: int) -> str:
+def materialize_weights(
+    model: nn.Module,
+    *,
+    model_config: ModelConfig,
+    device: torch.device,
+    seed: int,
+    parameter_device: torch.device | None = None,
+) -> str:
     """``model.pretrained`` -> load its safetensors into the parallelized model; else deterministic random init.
-    Returns what happened, for the startup line. Raises ConfigError when a downloaded checkpoint disagrees."""
+    Returns what happened, for the startup line. Raises ConfigError when a downloaded checkpoint disagrees.
+    ``parameter_device``: the host when the plan keeps FSDP's shards there (``FSDPPlan.parameters_on_host``)."""
     if not model_config.pretrained:
-        materialize_and_init(model, device=device, seed=seed)
+        materialize_and_init(model, device=device, seed=seed, parameter_device=parameter_device)
         return "random init"
     path = resolve_pretrained_once_per_node(model_config.pretrained)
     issues = architecture_issues(model_config, path)
     if issues:
         raise ConfigError(issues, source=str(path / "config.json"))
-    materialize_and_load(model, path, device=device)
+    materialize_and_load(model, path, device=device, parameter_device=parameter_device)
     return f"weights from {path}"
 
 

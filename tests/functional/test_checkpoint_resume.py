@@ -84,6 +84,33 @@ def test_resume_after_a_kill_is_bitwise_the_uninterrupted_run(tmp_path, referenc
     assert (ckpt / "latest").read_text().strip() == "step_6"
 
 
+def test_full_optimizer_offload_steps_and_resumes_bitwise_as_on_the_device(tmp_path, reference):
+    """``train.optimizer_offload=full`` (FSDP2's CPUOffloadPolicy: shards, gradients and AdamW on the host; on a
+    CPU run the copies are no-ops but every code path is FSDP2's offloaded one, the gradient-norm all-reduce over
+    host shards included): killed after step 3's checkpoint, resumed, and the whole curve (losses, grad norms) is
+    bitwise the on-device reference's. The DCP checkpoint is the one a run without offload writes: the reference's
+    step 3 resumes here too."""
+    offload = ["train.optimizer_offload=full"]
+    ckpt = tmp_path / "ckpt"
+    stopped = run_recipe(
+        RECIPE,
+        nproc=2,
+        run_dir=tmp_path / "stopped",
+        overrides=[*COMMON, *offload, *checkpointing(ckpt, every=3), "train.fail_after_step=3"],
+    )
+    assert stopped.returncode != 0, stopped.output[-3000:]
+    assert "sharded parameters + gradients + optimizer on host" in stopped.output
+    assert stopped.losses == reference.losses[:3]
+    assert records(stopped, "grad_norm") == records(reference, "grad_norm")[:3]
+    resumed = run_recipe(
+        RECIPE, nproc=2, run_dir=tmp_path / "resumed", overrides=[*COMMON, *offload, *checkpointing(ckpt, every=3)]
+    ).check()
+    assert f"resumed from {ckpt / 'step_3'} at step 3" in resumed.output
+    assert [m["step"] for m in resumed.metrics][-3:] == [4, 5, 6]
+    assert records(resumed, "loss")[-3:] == reference.losses[3:]
+    assert records(resumed, "grad_norm")[-3:] == records(reference, "grad_norm")[3:]
+
+
 @pytest.mark.parametrize(
     ("nproc", "layout"),
     [

@@ -245,13 +245,14 @@ def decide_plan(
     cp: int = 1,
     device_type: str = "cpu",
     torch_version: str | None = None,
+    optimizer_offload: str = "none",
 ) -> ParallelPlan:
     """The plan for ``model`` (on the meta device, nothing applied yet); ``ConfigError`` for a layout that cannot
     work, listing every rule broken.
 
     A section left out is its schema default (``model_config``: the model's own ``config``; ``data``: whether rows
     vary in length, for the compiled blocks' dynamic token dims); ``ep`` / ``cp`` are the
-    mesh sizes; ``kernels``: the run's ``KernelPlan`` (the one the model was built with); left out, resolved here
+    mesh sizes; ``optimizer_offload``: ``train.optimizer_offload`` (``full`` puts FSDP's shards on the host); ``kernels``: the run's ``KernelPlan`` (the one the model was built with); left out, resolved here
     from ``backend`` for ``device_type``. ``torch_version`` decides the workaround gates as if that torch ran.
     """
     model_config = model_config if model_config is not None else model.config
@@ -280,7 +281,7 @@ def decide_plan(
         cp_type=parallel.cp_type,
         kernels=kernels,
         selective=selective_plan(ac),
-        fsdp=fsdp_plan(parallel),
+        fsdp=fsdp_plan(parallel, optimizer_offload=optimizer_offload, device_type=device_type),
         compile=compile_plan(compile, data=data),
         workarounds=run_workarounds(
             blocks,
@@ -338,14 +339,19 @@ def selective_plan(ac: ActivationCheckpointingConfig) -> SelectiveACPlan:
     )
 
 
-def fsdp_plan(parallel: ParallelConfig) -> FSDPPlan:
+def fsdp_plan(parallel: ParallelConfig, *, optimizer_offload: str = "none", device_type: str = "cpu") -> FSDPPlan:
+    """``optimizer_offload: full`` puts every unit's shards on the host; pinned where a CUDA device copies them
+    (pinning needs CUDA: on a CPU run the host is the device and the copies are no-ops)."""
     fsdp = parallel.fsdp
+    on_host = optimizer_offload == "full"
     return FSDPPlan(
         param_dtype=fsdp.param_dtype,
         reduce_dtype=fsdp.reduce_dtype,
         reshard_after_forward=fsdp.reshard_after_forward,
         forward_prefetch=fsdp.forward_prefetch,
         backward_prefetch=fsdp.backward_prefetch,
+        parameters_on_host=on_host,
+        pin_host_memory=on_host and device_type == "cuda",
     )
 
 

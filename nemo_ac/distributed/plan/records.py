@@ -94,6 +94,17 @@ class FSDPPlan:
     reshard_after_forward: bool
     forward_prefetch: Literal["none", "explicit"]
     backward_prefetch: Literal["default", "explicit"]
+    # train.optimizer_offload: full: FSDP2's CPUOffloadPolicy on every unit (sharded parameters, gradients and the
+    # optimizer step on the host), the host memory pinned where a CUDA device copies from it.
+    parameters_on_host: bool = False
+    pin_host_memory: bool = False
+
+    def describe(self) -> str:
+        where = " | sharded parameters + gradients + optimizer on host" if self.parameters_on_host else ""
+        return (
+            f"fsdp {self.param_dtype}/{self.reduce_dtype} prefetch fwd {self.forward_prefetch} "
+            f"bwd {self.backward_prefetch}{where}"
+        )
 
 
 @dataclass(frozen=True)
@@ -169,8 +180,8 @@ class ParallelPlan:
             self.kernels_line(),
             f"plan | ep {self.ep} ({self.kernels.dispatcher.value}) | cp {self.cp}"
             + (f" ({self.cp_type})" if self.cp > 1 else "")
-            + f" | fsdp {self.fsdp.param_dtype}/{self.fsdp.reduce_dtype} prefetch fwd {self.fsdp.forward_prefetch} "
-            f"bwd {self.fsdp.backward_prefetch}" + "".join(f" | {key} te" for key in self.kernels.te_keys()),
+            + f" | {self.fsdp.describe()}"
+            + "".join(f" | {key} te" for key in self.kernels.te_keys()),
         ]
         groups: dict[str, list[BlockPlan]] = {}
         for block in self.blocks:

@@ -45,7 +45,7 @@ from nemo_ac.config.pretrained_files import FLOAT_DTYPES, INDEX_FILE, TensorHead
 from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models.common.experts import GroupedExperts
 from nemo_ac.models.hf.sharded_io import ReadStats, gather_to_writer, local_region
-from nemo_ac.models.init import canonical_name, copy_full_into
+from nemo_ac.models.init import canonical_name, copy_full_into, to_empty_placed
 
 _TORCH_DTYPES = {
     "F64": torch.float64,
@@ -309,14 +309,20 @@ def load_hf_checkpoint(
 
 
 def materialize_and_load(
-    model: nn.Module, path: str | Path, *, device: torch.device | str, family: str | None = None, strict: bool = True
+    model: nn.Module,
+    path: str | Path,
+    *,
+    device: torch.device | str,
+    family: str | None = None,
+    strict: bool = True,
+    parameter_device: torch.device | str | None = None,
 ) -> nn.Module:
     """``to_empty(device)`` then ``load_hf_checkpoint``: the checkpoint counterpart of ``materialize_and_init``.
 
     Works before or after fully_shard / expert-parallel sharding; every persistent tensor comes from the
-    checkpoint, so no random init runs.
+    checkpoint, so no random init runs. ``parameter_device``: as ``materialize_and_init``'s.
     """
-    model.to_empty(device=device)
+    to_empty_placed(model, device=device, parameter_device=parameter_device)
     cfg = getattr(model, "config", None)
     if getattr(cfg, "tie_word_embeddings", False):
         model.tie_weights()  # to_empty may replace tied parameters by two separate tensors

@@ -363,7 +363,8 @@ ROWS = [
         ["train.optimizer_offload=states", "+train.optimizer._target_=torch.optim.SGD"],
         "train.optimizer_offload",
         r"'states' keeps the built-in AdamW's states on the host and cannot move the states of train.optimizer "
-        r"\(torch.optim.SGD\); remove train.optimizer or set train.optimizer_offload=none",
+        r"\(torch.optim.SGD\); remove train.optimizer, set train.optimizer_offload=full \(any optimizer steps the host "
+        r"shards\) or none",
     ),
     row(
         "check_training",

@@ -168,3 +168,21 @@ def test_the_plan_vocabulary_is_typed():
     )
     assert block.nested_units == (NestedUnit.ROUTER, NestedUnit.EXPERTS)
     assert plan.selective == SelectiveACPlan()  # the policy's switches as values, no config section
+
+
+@pytest.mark.parametrize(("device_type", "pinned"), [("cpu", False), ("cuda", True)])
+def test_full_optimizer_offload_is_a_plan_decision_with_pinning_only_on_cuda(device_type: str, pinned: bool) -> None:
+    """``train.optimizer_offload: full`` -> FSDP's shards on the host, pinned where a CUDA device copies them (pinning
+    needs CUDA; on a CPU run the host is the device). The other policies leave FSDP's shards on the device."""
+    recipe = load_recipe(str(RECIPES / "tiny" / "qwen3_moe_tiny.yaml"), ["train.optimizer_offload=full"])
+    layout = validate_recipe(recipe, world_size=2)
+    plan = plan_recipe(recipe, layout, device_type=device_type)
+    assert (plan.fsdp.parameters_on_host, plan.fsdp.pin_host_memory) == (True, pinned)
+    assert "sharded parameters + gradients + optimizer on host" in plan.summary_lines()[1]
+    for policy in ("none", "states"):
+        other = plan_recipe(
+            dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, optimizer_offload=policy)),
+            layout,
+            device_type=device_type,
+        )
+        assert not other.fsdp.parameters_on_host and "on host" not in other.summary_lines()[1]

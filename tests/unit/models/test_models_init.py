@@ -100,3 +100,19 @@ def test_fsdp_sharded_init_matches_plain() -> None:
             assert torch.equal(p.full_tensor(), plain[name]), name
     finally:
         dist.destroy_process_group()
+
+
+def test_parameters_and_buffers_placed_apart_for_fsdp_cpu_offload() -> None:
+    """``to_empty_placed``: parameters where FSDP2's CPUOffloadPolicy wants them (the host), buffers (RoPE tables,
+    router correction biases) on the device the kernels read them from. Here "meta" stands in for the device."""
+    from nemo_ac.models.init import to_empty_placed
+
+    model = build_model(CFG)
+    buffers = [name for name, _ in model.named_buffers()]
+    assert buffers  # the check can fail: the model has buffers to place
+    to_empty_placed(model, device="meta", parameter_device="cpu")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(b.device.type == "meta" for b in model.buffers())
+    same = build_model(CFG)
+    to_empty_placed(same, device="cpu", parameter_device="cpu")
+    assert all(t.device.type == "cpu" for t in [*same.parameters(), *same.buffers()])
