@@ -19,7 +19,11 @@ on the critical path.
 Host link: copies between the device and host memory (``OpCost.link == "host"``) cross the GPU's PCIe link at
 ``LINK_EFFICIENCY``. Activation offload's copies run on a side stream (hidden behind compute like FSDP's
 collectives); the offloaded optimizer states' copies are issued on the compute stream around the update
-(``train.optimizer_offload: states``) and are on the critical path.
+(``train.optimizer_offload: states``) and are on the critical path. With ``train.optimizer_offload: full`` FSDP2
+copies each unit's fp32 shard to the device at each unshard and each reduced gradient back, on its own streams
+(hidden), except where a later micro batch's gradient is added to the host's on the CPU (``link ==
+"host_blocking"``: FSDP2 waits for that copy); the update then runs on the host (``link == "host_memory"``) at
+``HOST_MEMORY_EFFICIENCY`` of the node's DRAM bandwidth, shared by its ``gpus_per_node`` ranks, on the critical path.
 
 torch's ``RuntimeEstimator`` is not used: it reads the peak of the current CUDA device, which a CPU process does
 not have, and cannot be pointed at another GPU.
@@ -30,7 +34,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nemo_ac.simulate.counters import CollectiveRecord, StepCounts
-from nemo_ac.simulate.gpus import COLLECTIVE_LATENCY_S, HBM_EFFICIENCY, LINK_EFFICIENCY, MATMUL_EFFICIENCY, GpuSpec
+from nemo_ac.simulate.gpus import (
+    COLLECTIVE_LATENCY_S,
+    HBM_EFFICIENCY,
+    HOST_MEMORY_EFFICIENCY,
+    LINK_EFFICIENCY,
+    MATMUL_EFFICIENCY,
+    GpuSpec,
+)
 
 
 @dataclass
@@ -48,6 +59,7 @@ class StepEstimate:
     by_op: dict[str, float] = field(default_factory=dict)  # op name -> seconds of compute (the roofline's)
     host_overlapped_s: float = 0.0  # host-link copies on a side stream (activation offload)
     host_exposed_s: float = 0.0  # host-link copies on the compute stream (offloaded optimizer states)
+    host_step_s: float = 0.0  # ops on host memory (the optimizer step over host shards), on the critical path
 
     @property
     def mfu(self) -> float:
@@ -57,7 +69,10 @@ class StepEstimate:
     def step_fused_s(self) -> float:
         """The step if compilation fused every elementwise op into its neighbours (a lower bound)."""
         return (
-            max(self.compute_fused_s, self.overlapped_s, self.host_overlapped_s) + self.exposed_s + self.host_exposed_s
+            max(self.compute_fused_s, self.overlapped_s, self.host_overlapped_s)
+            + self.exposed_s
+            + self.host_exposed_s
+            + self.host_step_s
         )
 
     @property
@@ -97,12 +112,16 @@ def estimate_step(counts: StepCounts, *, gpu: GpuSpec) -> StepEstimate:
     """The estimate for one rank's counted step (module docstring)."""
     hbm = gpu.hbm_bytes_per_s * HBM_EFFICIENCY
     host_link = gpu.host_link_bytes_per_s * LINK_EFFICIENCY
-    compute = fused = host_overlapped = host_exposed = 0.0
+    host_memory = gpu.host_memory_bytes_per_s * HOST_MEMORY_EFFICIENCY / gpu.gpus_per_node
+    compute = fused = host_overlapped = host_exposed = host_step = 0.0
     by_op: dict[str, float] = {}
     for cost in counts.costs:
-        if cost.link == "host":
+        if cost.link == "host_memory":
+            host_step += cost.weight * cost.bytes / host_memory
+            continue
+        if cost.link in ("host", "host_blocking"):
             seconds = cost.weight * cost.bytes / host_link
-            if cost.phase == "optimizer":
+            if cost.phase == "optimizer" or cost.link == "host_blocking":
                 host_exposed += seconds
             else:
                 host_overlapped += seconds
@@ -130,11 +149,12 @@ def estimate_step(counts: StepCounts, *, gpu: GpuSpec) -> StepEstimate:
         comm_s=per_dim,
         overlapped_s=overlapped,
         exposed_s=exposed,
-        step_s=max(compute, overlapped, host_overlapped) + exposed + host_exposed,
+        step_s=max(compute, overlapped, host_overlapped) + exposed + host_exposed + host_step,
         model_flops=counts.model_flops,
         executed_flops=counts.total_flops,
         peak_flops=gpu.bf16_flops,
         by_op=by_op,
         host_overlapped_s=host_overlapped,
         host_exposed_s=host_exposed,
+        host_step_s=host_step,
     )

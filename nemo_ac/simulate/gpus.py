@@ -24,6 +24,10 @@ GIGA = 1e9
 MATMUL_EFFICIENCY = 0.75  # large bf16 GEMMs on Hopper reach ~70-80% of the dense tensor peak
 HBM_EFFICIENCY = 0.85  # streaming elementwise kernels reach ~80-90% of HBM bandwidth
 LINK_EFFICIENCY = 0.80  # NCCL bus bandwidth over NVLink / InfiniBand on messages of several MiB
+# The optimizer step over shards kept in host memory (train.optimizer_offload: full) is bound by the node's DRAM
+# bandwidth, shared by its ranks: a multi-threaded fused AdamW reaches about half the channels' peak (STREAM triad
+# reaches ~70-80% on these CPUs; the step's 28 bytes per parameter are reads and writes of five separate arrays).
+HOST_MEMORY_EFFICIENCY = 0.5
 COLLECTIVE_LATENCY_S = 20e-6  # per collective call: launch + synchronization, NVLink or InfiniBand alike
 # The CUDA context, cuBLAS / NCCL workspaces and the caching allocator's fragmentation: memory a step cannot use.
 RESERVED_BYTES = 3 * GiB
@@ -44,6 +48,7 @@ class GpuSpec:
     network_bytes_per_s: float  # per direction, per GPU (one NIC each)
     host_link_bytes_per_s: float  # GPU <-> host memory per direction, per GPU (its PCIe link)
     host_memory_bytes: int  # the node's system memory (``nemo-ac plan --host-memory`` replaces it)
+    host_memory_bytes_per_s: float  # the node's DRAM bandwidth (every channel of every CPU socket), all ranks share it
     gpus_per_node: int = 8
     source: str = ""
 
@@ -67,6 +72,7 @@ GPUS: dict[str, GpuSpec] = {
         network_bytes_per_s=50 * GIGA,  # ConnectX-7 NDR 400 Gb/s per GPU
         host_link_bytes_per_s=64 * GIGA,  # PCIe Gen5 x16
         host_memory_bytes=2 * 1024 * GiB,  # DGX H100: 2 TB
+        host_memory_bytes_per_s=2 * 8 * 38.4 * GIGA,  # 2x Xeon 8480C, 8 channels DDR5-4800 each
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5); DGX H100 user guide (8x ConnectX-7 400 Gb/s)",
     ),
     "h200-141gb": GpuSpec(
@@ -81,6 +87,7 @@ GPUS: dict[str, GpuSpec] = {
         network_bytes_per_s=50 * GIGA,
         host_link_bytes_per_s=64 * GIGA,  # PCIe Gen5 x16
         host_memory_bytes=2 * 1024 * GiB,  # DGX H200: 2 TB
+        host_memory_bytes_per_s=2 * 8 * 38.4 * GIGA,  # 2x Xeon 8480C, 8 channels DDR5-4800 each
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM); DGX H200 user guide (8x ConnectX-7 400 Gb/s)",
     ),
     "b200-180gb": GpuSpec(
@@ -95,6 +102,7 @@ GPUS: dict[str, GpuSpec] = {
         network_bytes_per_s=50 * GIGA,  # DGX B200: 8x ConnectX-7 400 Gb/s
         host_link_bytes_per_s=64 * GIGA,  # PCIe Gen5 x16
         host_memory_bytes=4 * 1024 * GiB,  # DGX B200: 4 TB
+        host_memory_bytes_per_s=2 * 8 * 44.8 * GIGA,  # 2x Xeon 8570, 8 channels DDR5-5600 each
         source="NVIDIA HGX B200 datasheet (per GPU, sparsity halved); DGX B200 user guide",
     ),
     "a100-80gb": GpuSpec(
@@ -109,6 +117,7 @@ GPUS: dict[str, GpuSpec] = {
         network_bytes_per_s=25 * GIGA,  # DGX A100: 8x ConnectX-6 HDR 200 Gb/s
         host_link_bytes_per_s=32 * GIGA,  # PCIe Gen4 x16
         host_memory_bytes=2 * 1024 * GiB,  # DGX A100 640GB: 2 TB
+        host_memory_bytes_per_s=2 * 8 * 25.6 * GIGA,  # 2x EPYC 7742, 8 channels DDR4-3200 each
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); DGX A100 user guide",
     ),
 }

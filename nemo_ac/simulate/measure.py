@@ -57,7 +57,7 @@ def counts_as_dict(counts: StepCounts) -> dict[str, Any]:
 def measure(recipe_path: str, overrides: Sequence[str], *, out: Path, timed_steps: int) -> dict[str, Any]:
     """Preflight, process group, ``measure_step_of``, teardown (the command)."""
     checked = preflight(recipe_path, overrides, world_size=world_size_from_env(), check_env=True)
-    env = init_distributed(checked.recipe.dist)
+    env = init_distributed(checked.recipe.dist, host_collectives=checked.recipe.train.optimizer_offload == "full")
     try:
         return measure_step_of(checked.recipe, checked.layout, env=env, out=out, timed_steps=timed_steps)
     finally:
@@ -81,7 +81,13 @@ def measure_step_of(
         measured = measure_step(
             trainer, prepared, global_tokens=tokens, counter=counter, sampler=sampler, micro_batch_limit=None
         )
-    host = host_bytes(setup.optimizer, setup.plan.applied.offloader, measured.micro_batches_run)
+    host = host_bytes(
+        setup.optimizer,
+        setup.plan.applied.offloader,
+        measured.micro_batches_run,
+        model=setup.model,
+        parameters_on_host=setup.plan.fsdp.parameters_on_host,
+    )
     # torch's own count over the same micro batches, in a pass of its own: FlopCounterMode keeps tensors alive
     # longer (its module hooks), which moved the tracked peak of the tiny Qwen3 MoE step from 3.1 to 7.2 MB.
     with dtensor_propagation_marked(), FlopCounterMode(display=False) as flop_counter:

@@ -11,17 +11,24 @@ alike. Two things are added here:
   bytes, sampled here whenever the tracker's total reaches a new peak, and reported as "of which".
 
 Not seen by any tracker and added by hand when present (``HandAdded``): DeepEP's communication buffers, allocated
-by deep_ep outside torch's allocator.
+by deep_ep outside torch's allocator; the device copies FSDP2 stages a host shard through (``train.optimizer_offload:
+full``; in the dry run the host is the simulated device, so its copies are no-ops the tracker cannot see).
+
+``train.optimizer_offload: full`` on a GPU plan: the tracker's sharded parameters, sharded gradients and optimizer
+states (``HOST_CATEGORIES``) are in host memory; the sampler leaves them out of the device's total.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+# What FSDP2's CPUOffloadPolicy keeps in host memory, by FSDPMemTracker category (buffers stay on the device).
+HOST_CATEGORIES = frozenset({"Sharded Param", "Sharded Grad", "OptState"})
 
 # FSDPMemTracker's categories (their printed names) -> the report's terms.
 TERMS: dict[str, str] = {
@@ -67,15 +74,20 @@ class PeakMemory:
         return sorted(terms.items(), key=lambda kv: -kv[1])[:count]
 
 
-def _device_totals(snapshot: dict[Any, dict[Any, int]], device_type: str) -> dict[str, int]:
-    """One device type's snapshot as {category name: bytes} (offloaded copies live on another device: not here)."""
+def _device_totals(
+    snapshot: dict[Any, dict[Any, int]], device_type: str, host_categories: frozenset[str] = frozenset()
+) -> dict[str, int]:
+    """One device type's snapshot as {category name: bytes} (offloaded copies live on another device: not here),
+    without ``host_categories`` (kept in host memory on the planned GPU); ``Total`` is what remains."""
     out: dict[str, int] = {}
     for device, categories in snapshot.items():
         if torch.device(device).type != device_type:
             continue
         for key, value in categories.items():
-            name = getattr(key, "value", key)
-            out[str(name)] = out.get(str(name), 0) + int(value)
+            name = str(getattr(key, "value", key))
+            out[name] = out.get(name, 0) + int(value)
+    for name in host_categories:
+        out["Total"] = out.get("Total", 0) - out.pop(name, 0)
     return out
 
 
@@ -93,11 +105,13 @@ class PeakSampler:
         *,
         device_type: str,
         context: Callable[[], tuple[int, str]] = lambda: (0, ""),
+        host_categories: frozenset[str] = frozenset(),
     ) -> None:
         from nemo_ac.workarounds.mem_tracker_global_peak import GlobalPeakFSDPMemTracker
 
         self.tracker = GlobalPeakFSDPMemTracker(model, optimizer, on_update=self._on_update)
         self.device_type = device_type
+        self.host_categories = host_categories
         self.context = context
         self.optimizer = optimizer
         self._state_bytes: int | None = None
@@ -120,22 +134,22 @@ class PeakSampler:
         self.tracker.reset_mod_stats()
 
     def _on_update(self, snapshot: dict[Any, dict[Any, int]]) -> None:
-        total = sum(
-            categories.get("Total", 0) for device, categories in snapshot.items() if device.type == self.device_type
-        )
+        totals = _device_totals(snapshot, self.device_type, self.host_categories)
+        total = totals.get("Total", 0)
         comm_bytes, phase = self.context()
         best = self.phase_peaks.get(phase)
         if best is not None and total <= best.peak_bytes:
             return
         terms: dict[str, int] = {}
-        for name, value in _device_totals(snapshot, self.device_type).items():
+        for name, value in totals.items():
             if name != "Total":
                 term = TERMS.get(name, name)
                 terms[term] = terms.get(term, 0) + value
         # The tracker files everything the optimizer step allocates as optimizer state; what exceeds the state
         # tensors themselves are the step's temporaries (foreach AdamW: a copy of exp_avg_sq's square root).
         if self._state_bytes is None:  # the states exist before the tracked step and keep their size
-            self._state_bytes = optimizer_state_bytes(self.optimizer, self.device_type)
+            on_host = "OptState" in self.host_categories
+            self._state_bytes = 0 if on_host else optimizer_state_bytes(self.optimizer, self.device_type)
         states = self._state_bytes
         if terms.get("optimizer states", 0) > states:
             terms["optimizer step temporaries"] = terms["optimizer states"] - states
@@ -163,13 +177,41 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) ->
     return total
 
 
-def host_bytes(optimizer: torch.optim.Optimizer, offloader: Any, micro_batches_run: int) -> dict[str, int]:
-    """Host memory per rank by term: the moments ``train.optimizer_offload: states`` keeps there, and the
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of this rank's storages under ``tensors`` (local shards of DTensors; a shared storage once)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        if id(storage) not in seen:
+            seen.add(id(storage))
+            total += storage.nbytes()
+    return total
+
+
+def host_bytes(
+    optimizer: torch.optim.Optimizer,
+    offloader: Any,
+    micro_batches_run: int,
+    *,
+    model: nn.Module | None = None,
+    parameters_on_host: bool = False,
+) -> dict[str, int]:
+    """Host memory per rank by term: the moments ``train.optimizer_offload: states`` keeps there; with ``full``
+    (``parameters_on_host``, ``model`` given) the sharded parameters, their gradients (one per trainable
+    parameter: FSDP2 keeps the sharded gradients in the parameters' dtype) and every optimizer state; and the
     activations one micro batch offloads (all of them are on the host at the end of its forward). The dry run and
     the measured step report the same terms (``nemo_ac.simulate.accuracy`` compares them)."""
     from nemo_ac.trainer.host_optimizer_states import AdamWHostStates
 
     out = {}
+    if parameters_on_host and model is not None:
+        out["parameters"] = local_bytes(model.parameters())
+        out["gradients"] = local_bytes(p for p in model.parameters() if p.requires_grad)
+        out["optimizer states"] = optimizer_state_bytes(optimizer, "cpu")
     if isinstance(optimizer, AdamWHostStates):
         out["optimizer states"] = optimizer.host_state_bytes()
     if offloader is not None and offloader.stats.packed_bytes:

@@ -190,11 +190,12 @@ class PlanReport:
                 f"{seconds(estimate.compute_fused_s)} fused (most: {dominant}); FSDP comm {seconds(estimate.overlapped_s)} "
                 f"overlapped; blocking comm {seconds(estimate.exposed_s)}"
                 + (
-                    f"; host link {seconds(estimate.host_exposed_s)} blocking (optimizer states), "
-                    f"{seconds(estimate.host_overlapped_s)} overlapped (activation offload)"
+                    f"; host link {seconds(estimate.host_exposed_s)} blocking, "
+                    f"{seconds(estimate.host_overlapped_s)} overlapped"
                     if estimate.host_exposed_s or estimate.host_overlapped_s
                     else ""
                 )
+                + (f"; optimizer step on the host {seconds(estimate.host_step_s)}" if estimate.host_step_s else "")
                 + "".join(f"; {dim} {seconds(spent)}" for dim, spent in sorted(estimate.comm_s.items()))
             )
         for gpu in self.gpus:
@@ -263,6 +264,7 @@ class PlanReport:
                     "blocking_comm_s": e.exposed_s,
                     "host_link_blocking_s": e.host_exposed_s,
                     "host_link_overlapped_s": e.host_overlapped_s,
+                    "host_step_s": e.host_step_s,
                     "comm_s_by_dim": e.comm_s,
                     "mfu": e.mfu,
                     "mfu_fused": e.mfu_fused,

@@ -33,8 +33,10 @@ from nemo_ac.distributed.plan import ParallelPlan
 from nemo_ac.distributed.plan.kernels import resolve_mixer_kernel
 from nemo_ac.models.freeze import freeze
 from nemo_ac.simulate.counters import WORLD, StepCounter
+from nemo_ac.simulate.host_shards import add_host_shard_costs, fsdp_unit_shards, staging_bytes
+from nemo_ac.simulate.host_shards import describe as describe_host_shards
 from nemo_ac.simulate.inputs import DataAssumption, reads_offline, standin_micro_batches
-from nemo_ac.simulate.memory import HandAdded, PeakSampler, host_bytes
+from nemo_ac.simulate.memory import HOST_CATEGORIES, HandAdded, PeakSampler, host_bytes
 from nemo_ac.simulate.routing import RoutingAssumption, install_assumed_routing
 from nemo_ac.simulate.step import StepMeasurement, measure_step, start_like_a_later_step
 from nemo_ac.trainer.batching import make_batch_preparer
@@ -274,7 +276,15 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         with fake:
             start_like_a_later_step(trainer, hold_gradients=hold_gradients)
         counter = StepCounter(group_labels=mesh_group_labels(meshes))
-        sampler = PeakSampler(model, optimizer, device_type="cpu", context=counter.buffer_state)
+        # optimizer_offload full on a GPU plan: FSDP's shards, gradients and the states are in host memory.
+        shards_on_host = plan.fsdp.parameters_on_host and device_type == "cuda"
+        sampler = PeakSampler(
+            model,
+            optimizer,
+            device_type="cpu",
+            context=counter.buffer_state,
+            host_categories=HOST_CATEGORIES if shards_on_host else frozenset(),
+        )
         try:
             with dtensor_propagation_marked(), fake, RealWhereAllReal(), sampler, counter:
                 measurement = measure_step(
@@ -293,7 +303,29 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
                 f"{first}"
             ) from exc
     offloader = applied.applied.offloader if applied.applied else None
-    host = host_bytes(optimizer, offloader, measurement.micro_batches_run)
+    host = host_bytes(
+        optimizer,
+        offloader,
+        measurement.micro_batches_run,
+        model=model,
+        parameters_on_host=plan.fsdp.parameters_on_host,
+    )
+    if shards_on_host:
+        units = fsdp_unit_shards(model)
+        reductions = measurement.micro_batches_per_step if hold_gradients or len(prepared) == 1 else 1
+        add_host_shard_costs(
+            measurement.counts,
+            units,
+            micro_batches=measurement.micro_batches_per_step,
+            reductions=reductions,
+            reshard_after_forward=plan.fsdp.reshard_after_forward,
+            reduce_dtype=plan.fsdp.reduce_dtype,
+        )
+        staging = staging_bytes(units)
+        for phase, phase_peak in measurement.phase_peaks.items():
+            if phase != "optimizer":  # the update runs on the host: nothing staged
+                phase_peak.hand_added.append(staging)
+        assumptions.append(describe_host_shards(units, reductions=reductions))
     if recipe.backend.dispatcher == "deepep" and layout.ep > 1:
         measurement.peak.hand_added.append(
             HandAdded("DeepEP buffers", DEEPEP_BUFFER_BYTES, "deep_ep.Buffer NVLink + RDMA buffers (assumed size)")

@@ -73,10 +73,11 @@ def neighbours(recipe: RecipeConfig) -> list[Candidate]:
     if mb > 1:
         add(f"mb {mb // 2}", mb=mb // 2)
     add(f"mb {mb * 2}", mb=mb * 2)
-    # The memory levers (docs/planning.md, "Memory levers"): AdamW's states on the other side, the loss chunked or not.
-    if recipe.train.optimizer is None:
-        other = "none" if recipe.train.optimizer_offload == "states" else "states"
-        add(f"optimizer_offload {other}", offload=other)
+    # The memory levers (docs/planning.md, "Memory levers"): every other optimizer offload (states only for the
+    # built-in AdamW), the loss chunked or not.
+    for other in ("none", "states", "full"):
+        if other != recipe.train.optimizer_offload and (other != "states" or recipe.train.optimizer is None):
+            add(f"optimizer_offload {other}", offload=other)
     chunk = 0 if recipe.train.loss_chunk_tokens else 1024
     add(f"loss_chunk_tokens {chunk}", chunk=chunk)
     return out

@@ -111,6 +111,8 @@ def test_the_sweep_tries_each_memory_lever_the_other_way() -> None:
     assert candidates["loss_chunk_tokens 0"].loss_chunk_tokens == 0
     tiny = {c.label: c.recipe.train for c in neighbours(load_recipe(TINY))}
     assert tiny["optimizer_offload states"].optimizer_offload == "states"
+    assert tiny["optimizer_offload full"].optimizer_offload == "full"
+    assert candidates["optimizer_offload full"].optimizer_offload == "full"
     assert tiny["loss_chunk_tokens 1024"].loss_chunk_tokens == 1024
 
 
