@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Flagship recipe -> the world size its header documents (nemo-ac validate ... --world-size N).
 FLAGSHIPS = {
     "qwen3_6": (ROOT / "recipes" / "qwen3_6_35b_medpix_ep8cp2_4k.yaml", 8),
-    "glm_4_5_air": (ROOT / "recipes" / "glm_4_5_air_cp4_ulysses.yaml", 16),
+    "glm_4_5_air": (ROOT / "recipes" / "glm_4_5_air_cp4_ulysses.yaml", 8),
     "nemotron_super_v3": (ROOT / "recipes" / "nemotron_super_v3_te_deepep.yaml", 64),
 }
 

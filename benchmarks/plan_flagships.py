@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGSHIPS = [
     ("qwen3_6_35b_medpix_ep8cp2_4k.yaml", 8),
     ("nemotron_super_v3_te_deepep.yaml", 64),
-    ("glm_4_5_air_cp4_ulysses.yaml", 16),
+    ("glm_4_5_air_cp4_ulysses.yaml", 8),
 ]
 GiB = 2**30
 

@@ -121,8 +121,8 @@ def test_glm_tiny_cp2_ulysses_with_offloading_trains_like_one_process(tmp_path: 
             *common,
             "parallel.cp=1",
             "activation_checkpointing.offload=false",
-            # The whole logits and AdamW's states on the device: the recipe's chunked LM head + loss and
-            # host-memory optimizer states match them.
+            # The whole logits and FSDP's shards, gradients and AdamW on the device: the recipe's chunked LM head +
+            # loss and its optimizer offload (FSDP2's CPUOffloadPolicy) match them.
             "train.loss_chunk_tokens=0",
             "train.optimizer_offload=none",
             *_export(tmp_path / "hf_single"),

@@ -1,8 +1,8 @@
 """The dry run against real gloo runs of the same step: the four tiny recipes at their own layouts, HSDP 2x2 and
 ring cp2, the first and the last rank (every rank: ``benchmarks/plan_accuracy.py``). Per rank: predicted peak within 10% of the measured one (the same tracker, FSDPMemTracker, in
 real mode), predicted FLOPs within 1% of FlopCounterMode over the real step, collective bytes exactly equal, and
-the host memory of offloaded optimizer states and activations (GLM and Qwen3.6 tiny recipes; the GLM one again with
-``train.optimizer_offload=full``: FSDP's shards and gradients too) equal by term.
+the host memory (the tiny GLM recipe's FSDP shards, gradients and AdamW states, ``train.optimizer_offload: full``;
+AdamW's states alone in the Qwen3.6 tiny recipe and the GLM one with ``states``; offloaded activations) equal by term.
 
 Both sides run with ``model.moe.force_balanced_routing`` (the dry run's default routing assumption, so expert
 parallel moves the same rows) and without torch.compile (the dry run counts the eager op stream).

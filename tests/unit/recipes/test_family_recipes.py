@@ -16,7 +16,7 @@ from nemo_ac.models import build_model
 from nemo_ac.models.common.te_backend import apply_te_backends
 from tests.launch import RECIPES
 
-FULL = {"nemotron_super_v3_te_deepep.yaml": 64, "glm_4_5_air_cp4_ulysses.yaml": 16}
+FULL = {"nemotron_super_v3_te_deepep.yaml": 64, "glm_4_5_air_cp4_ulysses.yaml": 8}
 TINY = {
     "nemotron_super_v3_te_deepep.yaml": "nemotron_super_v3_tiny.yaml",
     "glm_4_5_air_cp4_ulysses.yaml": "glm_4_5_air_tiny.yaml",
