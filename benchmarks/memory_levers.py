@@ -3,11 +3,12 @@
     python benchmarks/memory_levers.py [--steps 120] [--out benchmarks/results/memory_levers.json]
 
 The tiny GLM-4.5-Air recipe (2 gloo ranks, CP2 Ulysses, full AC + activation offload, fp32) trains ``--steps`` steps
-three times from the same seed and data: with AdamW's states on the device and the whole logits (the reference),
-with the states in host memory (``train.optimizer_offload=states``), and with the LM head + loss in 64-token chunks
+from the same seed and data: with AdamW's states on the device and the whole logits (the reference), with the states
+in host memory (``train.optimizer_offload=states``), with FSDP's shards, gradients and AdamW on the host
+(``train.optimizer_offload=full``: FSDP2's CPUOffloadPolicy), and with the LM head + loss in 64-token chunks
 (``train.loss_chunk_tokens=64``); and the reference on one rank (no CP, no offload), whose distance from the 2-rank
-reference is what fp32 rounding alone grows into over these steps. Expected: the offloaded states give the
-reference's losses bit for bit (the same AdamW arithmetic on every element); the chunked loss differs by fp32
+reference is what fp32 rounding alone grows into over these steps. Expected: both offloads give the reference's
+losses bit for bit (the same AdamW arithmetic on every element, the same gradients); the chunked loss differs by fp32
 rounding only (a sum over chunks instead of one reduction), which training amplifies like any other change of
 summation order: about as far as the one-rank run, without a trend. Prints the table and writes JSON + markdown.
 """
@@ -25,6 +26,7 @@ RECIPE = ROOT / "recipes" / "tiny" / "glm_4_5_air_tiny.yaml"
 RUNS = {
     "reference (states on device, whole logits)": ["train.optimizer_offload=none", "train.loss_chunk_tokens=0"],
     "optimizer_offload=states": ["train.optimizer_offload=states", "train.loss_chunk_tokens=0"],
+    "optimizer_offload=full": ["train.optimizer_offload=full", "train.loss_chunk_tokens=0"],
     "loss_chunk_tokens=64": ["train.optimizer_offload=none", "train.loss_chunk_tokens=64"],
     # The yardstick for rounding: the reference's math on one rank (no CP, no offload: other summation orders).
     "reference on 1 rank": ["train.optimizer_offload=none", "train.loss_chunk_tokens=0", "parallel.cp=1",
