@@ -10,7 +10,9 @@
 #    and, where installed, the tiny Qwen3.6 / Nemotron recipes trained on them (steps 1 keep the torch ops);
 # 6. nemo-ac plan against a measured step on this GPU: a mid-size MoE (1.3B parameters, 4k rows, bf16) measured by
 #    nemo_ac.simulate.measure (tracked peak, torch.cuda.max_memory_allocated, 3 timed steps), then its dry run
-#    --against it: the memory prediction and the step-time estimate checked on a real GPU.
+#    --against it: the memory prediction and the step-time estimate checked on a real GPU; the same with
+#    train.optimizer_offload=full (FSDP2's CPUOffloadPolicy, pinned host shards, nccl + gloo): the device peak
+#    without the host shards, the host bytes and the host-side time checked where host and device differ.
 # Every step runs under its own timeout and the script goes on after a failure; its exit status counts failures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +64,12 @@ step measure_mid_moe 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.
 step plan_against_measured 150 "$PY" -m nemo_ac.cli plan recipes/tiny/qwen3_moe_tiny.yaml --world-size 1 \
   --gpu h200-141gb --against "$OUT/measure_mid" "${MID[@]}"
 grep -E "^against" "$OUT/plan_against_measured.log"
+step measure_mid_moe_full_offload 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.simulate.measure \
+  recipes/tiny/qwen3_moe_tiny.yaml --out "$OUT/measure_mid_full" --timed-steps 2 "${MID[@]}" \
+  train.optimizer_offload=full
+step plan_against_measured_full_offload 150 "$PY" -m nemo_ac.cli plan recipes/tiny/qwen3_moe_tiny.yaml \
+  --world-size 1 --gpu h200-141gb --against "$OUT/measure_mid_full" "${MID[@]}" train.optimizer_offload=full
+grep -E "^against|^host" "$OUT/plan_against_measured_full_offload.log"
 step attention_kernels_cuda 120 "$PY" benchmarks/attention_kernels_cuda.py
 step mixer_kernels_cuda 120 "$PY" -m pytest -q -rs tests/unit/models/test_mixer_kernels_cuda.py
 step host_optimizer_states_cuda 90 "$PY" -m pytest -q -rs tests/unit/trainer/test_host_optimizer_states.py -k cuda
