@@ -178,7 +178,13 @@ def check_fake_world() -> Facts:
     x.sum().backward()
     if fake_world.in_backward() or seen != [True]:
         raise AssertionError(f"in_backward() outside: {fake_world.in_backward()}, inside a backward hook: {seen}")
-    facts: Facts = {"graph_task_id": "tells backward apart"}
+    numbers: list[int | None] = []
+    y = x * 2
+    y.grad_fn.register_prehook(lambda grads: numbers.append(fake_world.running_autograd_sequence_nr()))
+    y.sum().backward()
+    if numbers != [fake_world.autograd_sequence_nr(y.grad_fn)] or numbers[0] is None:
+        raise AssertionError(f"the running node's sequence number {numbers} is not its grad_fn's")
+    facts: Facts = {"graph_task_id": "tells backward apart", "autograd_node": "numbered"}
     if dist.is_initialized():
         world = dist.group.WORLD
         if fake_world.process_group_of(world.group_name) is not world:

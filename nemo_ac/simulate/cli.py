@@ -141,7 +141,8 @@ def run_plan(args: argparse.Namespace) -> int:
             e = report.estimates[0]
             print(
                 f"against | step measured {walls[len(walls) // 2]:.3f} s (median of {len(walls)}) on "
-                f"{measured.get('device')}; estimated {e.step_s:.3f} s eager / {e.step_fused_s:.3f} s fused on {e.gpu}"
+                f"{measured.get('device')}; estimated {e.step_s:.3f} s on {e.gpu} (bounds {e.step_fused_s:.3f} .. "
+                f"{e.step_eager_s:.3f} s); error {e.step_s / walls[len(walls) // 2] - 1:+.1%} where the GPUs match"
             )
         if measured.get("cuda_max_allocated_bytes"):
             print(

@@ -32,6 +32,9 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from nemo_ac.models.common.op_flops import needs_formula
+from nemo_ac.simulate.fusion import CompiledRegions, is_extern
+from nemo_ac.simulate.gpus import GPUS_PER_NODE
+from nemo_ac.simulate.routing import DeepEPRouting
 from nemo_ac.workarounds.fake_world import in_backward, in_sharding_propagation, process_group_of
 
 PHASES = ("forward", "backward", "recompute", "optimizer")
@@ -149,8 +152,9 @@ class CollectiveRecord:
 
     calls: int = 0
     payload_bytes: int = 0  # the full buffer of each call (all-gather output, reduce-scatter input, ...)
-    wire_bytes: int = 0  # what this rank sends, ring model
+    wire_bytes: int = 0  # what this rank sends, ring model (DeepEP: over NVLink, one copy per destination rank)
     ranks: tuple[int, ...] = ()
+    network_bytes: int = 0  # DeepEP only: what crosses to other nodes over RDMA (one copy per destination node)
 
 
 @dataclass
@@ -169,6 +173,12 @@ class OpCost:
     # stream waiting for it. "host_memory": an op on tensors in host memory (the optimizer step over the shards
     # ``train.optimizer_offload: full`` keeps there): the node's DRAM bandwidth, shared by its ranks.
     link: str = ""
+    # The bytes left when the op runs inside a compiled block (``simulate.fusion``); None: ``bytes`` (eager).
+    compiled_bytes: int | None = None
+
+    @property
+    def fused_bytes(self) -> int:
+        return self.bytes if self.compiled_bytes is None else self.compiled_bytes
 
 
 @dataclass
@@ -197,12 +207,19 @@ class StepCounter(TorchDispatchMode):
         self,
         *,
         group_labels: dict[str, str] | None = None,
+        regions: CompiledRegions | None = None,
+        deepep: DeepEPRouting | None = None,
     ) -> None:
         """The outputs of the model's functional collectives (EP all-to-all, CP exchanges) are kept as live
         "communication buffer" bytes (FSDP's own buffers the memory tracker names itself); ``buffer_state()``
-        reports them with the phase."""
+        reports them with the phase. ``regions``: the plan's compiled blocks, whose fused traffic each op's
+        ``compiled_bytes`` records (``simulate.fusion``). ``deepep``: the expert-parallel all-to-alls stand in for
+        DeepEP's dispatch and combine, recorded as kind ``deepep`` with the copies DeepEP sends
+        (``simulate.routing.deepep_copies``)."""
         super().__init__()
         self.group_labels = dict(group_labels or {})
+        self.regions = regions
+        self.deepep = deepep
         self.counts = StepCounts()
         self.live_buffer_bytes = 0
         self.last_op = "no op yet"
@@ -219,6 +236,8 @@ class StepCounter(TorchDispatchMode):
             self._forced_phase = previous
 
     def reset(self) -> None:
+        if self.regions is not None:
+            self.regions.finish()  # pending writes land on this segment's costs before it is handed on
         self.counts = StepCounts()
 
     def _phase(self) -> str:
@@ -262,19 +281,41 @@ class StepCounter(TorchDispatchMode):
             mine = dist.get_rank(group) if group is not None else 0
             own = (splits[mine] if splits else source.shape[0] // n) * row
             wire = payload - own
+            dims = label.split("/")
+            if self.deepep is not None and "ep" in dims and "cp" not in dims:
+                copies = self.deepep.copies(group_ranks=ranks, rank_in_group=mine, gpus_per_node=GPUS_PER_NODE)
+                self._record(label, "deepep", False, ranks, payload, round(wire * copies.per_rank),
+                             network=round(wire * copies.per_node))  # fmt: skip
+                for tensor in _tensors(out):
+                    self._keep_buffer(tensor)
+                return
         else:  # broadcast, send, recv: the buffer once
             payload = sum(_nbytes(t) for t in _tensors(first))
             wire = payload if kind != "recv" else 0
         overlapped = func.namespace == "c10d" and (
             kind in ("all_gather", "reduce_scatter") or (kind == "all_reduce" and WORLD not in label.split("/"))
         )
+        self._record(label, kind, overlapped, ranks, payload, wire)
+        if func.namespace != "c10d":  # the model's functional collectives (EP, CP); FSDP2's are c10d ops
+            for tensor in _tensors(out):
+                self._keep_buffer(tensor)
+
+    def _record(
+        self,
+        label: str,
+        kind: str,
+        overlapped: bool,
+        ranks: tuple[int, ...],
+        payload: int,
+        wire: int,
+        *,
+        network: int = 0,
+    ) -> None:
         record = self.counts.collectives.setdefault((label, kind, overlapped), CollectiveRecord(ranks=ranks))
         record.calls += 1
         record.payload_bytes += payload
         record.wire_bytes += wire
-        if func.namespace != "c10d":  # the model's functional collectives (EP, CP); FSDP2's are c10d ops
-            for tensor in _tensors(out):
-                self._keep_buffer(tensor)
+        record.network_bytes += network
 
     def _keep_buffer(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage as a live communication buffer until it is freed."""
@@ -313,6 +354,8 @@ class StepCounter(TorchDispatchMode):
 
     def _count(self, func: Any, args: Any, kwargs: dict, out: Any, phase: str) -> None:
         if func in _COLLECTIVES:
+            if self.regions is not None:
+                self.regions.account(None, extern=True, inputs=_tensors((args, kwargs)), outputs=[])
             self._count_collective(func, args, kwargs, out)
             return
         if func in _NO_TRAFFIC:
@@ -331,10 +374,18 @@ class StepCounter(TorchDispatchMode):
             inputs = _tensors((args, kwargs))
             host_payload = _host_link_payload(packet.__name__, inputs, outputs)
             if host_payload:
-                self.counts.costs.append(OpCost(0, host_payload, 0, phase, name="host_copy", link="host"))
+                if self.regions is not None:
+                    self.regions.account(None, extern=True, inputs=inputs, outputs=[])
+                self.counts.costs.append(
+                    OpCost(0, host_payload, 0, phase, name="host_copy", link="host")
+                )
                 return
             moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs) + written
             floating = [t for t in inputs if t.is_floating_point()]
             bits = floating[0].element_size() * 8 if floating else 32
             if moved or flops:
-                self.counts.costs.append(OpCost(flops, moved, bits, phase, name=packet.__name__))
+                cost = OpCost(flops, moved, bits, phase, name=packet.__name__)
+                if self.regions is not None:
+                    extern = is_extern(packet.__name__, func.namespace, flops)
+                    self.regions.account(cost, extern=extern, inputs=inputs, outputs=outputs)
+                self.counts.costs.append(cost)

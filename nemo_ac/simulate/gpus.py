@@ -3,7 +3,8 @@
 Every number is a datasheet figure (sources beside each entry) except the memory, which is the total nvidia-smi
 reports on that GPU (less than the marketing GB: firmware reserves part of it); ``RESERVED_BYTES`` of it are taken
 off for the CUDA context and the allocator. The estimate applies three stated efficiencies instead of pretending a datasheet peak
-is reached: dense matmuls at ``MATMUL_EFFICIENCY`` of the tensor peak, memory-bound ops at ``HBM_EFFICIENCY`` of the
+is reached: dense GEMMs at ``MATMUL_EFFICIENCY`` of the tensor peak, other kernels with FLOPs at
+``KERNEL_EFFICIENCY`` (calibrated: below), memory-bound ops at ``HBM_EFFICIENCY`` of the
 HBM bandwidth, collectives at ``LINK_EFFICIENCY`` of the link bandwidth (NCCL's bus bandwidth on large messages).
 None of them has been measured by nemo_ac on a GPU yet: ``benchmarks/gpu_check.sh`` prints the plan's estimate
 beside a measured step so they can be checked where a GPU is available.
@@ -20,8 +21,15 @@ GiB = 2**30
 TERA = 1e12
 GIGA = 1e9
 
-# Fractions of the datasheet peaks a well-tuned step reaches (assumptions, printed with every estimate).
-MATMUL_EFFICIENCY = 0.75  # large bf16 GEMMs on Hopper reach ~70-80% of the dense tensor peak
+# Fractions of the datasheet peaks a well-tuned step reaches (printed with every estimate). All but one are
+# assumptions; KERNEL_EFFICIENCY is calibrated.
+MATMUL_EFFICIENCY = 0.75  # dense GEMMs (mm / addmm / bmm): large bf16 GEMMs on Hopper reach ~70-80% of the peak
+# Every other op with FLOPs: grouped expert GEMMs, attention, SSM scans. CALIBRATED on one published measurement,
+# NeMo Automodel's Qwen3 MoE 30B row (8 H100, EP8, 4 x 4096-token rows per micro batch, global batch 512, AC, TE,
+# DeepEP, fake balanced gate: 21.773 s per step), shipped as benchmarks/recipes/qwen3_30b_a3b_automodel_ep8.yaml:
+# the value at which the estimate of that row equals the measured step, rounded (`python
+# benchmarks/plan_calibration.py` solves for it again and prints the estimate's error on every measured row).
+KERNEL_EFFICIENCY = 0.52
 HBM_EFFICIENCY = 0.85  # streaming elementwise kernels reach ~80-90% of HBM bandwidth
 LINK_EFFICIENCY = 0.80  # NCCL bus bandwidth over NVLink / InfiniBand on messages of several MiB
 # The optimizer step over shards kept in host memory (train.optimizer_offload: full) is bound by the node's DRAM
@@ -29,6 +37,7 @@ LINK_EFFICIENCY = 0.80  # NCCL bus bandwidth over NVLink / InfiniBand on message
 # reaches ~70-80% on these CPUs; the step's 28 bytes per parameter are reads and writes of five separate arrays).
 HOST_MEMORY_EFFICIENCY = 0.5
 COLLECTIVE_LATENCY_S = 20e-6  # per collective call: launch + synchronization, NVLink or InfiniBand alike
+GPUS_PER_NODE = 8  # every node in GPUS (DGX / HGX): what the dry run groups ranks into nodes by
 # The CUDA context, cuBLAS / NCCL workspaces and the caching allocator's fragmentation: memory a step cannot use.
 RESERVED_BYTES = 3 * GiB
 
@@ -49,7 +58,7 @@ class GpuSpec:
     host_link_bytes_per_s: float  # GPU <-> host memory per direction, per GPU (its PCIe link)
     host_memory_bytes: int  # the node's system memory (``nemo-ac plan --host-memory`` replaces it)
     host_memory_bytes_per_s: float  # the node's DRAM bandwidth (every channel of every CPU socket), all ranks share it
-    gpus_per_node: int = 8
+    gpus_per_node: int = GPUS_PER_NODE
     source: str = ""
 
     def matmul_flops(self, dtype_bits: int, *, tf32: bool = False) -> float:
@@ -133,7 +142,8 @@ def gpu_spec(name: str, *, key: str = "--gpu") -> GpuSpec:
 
 def assumptions_line(spec: GpuSpec) -> str:
     return (
-        f"{spec.label}: {spec.bf16_flops / TERA:,.0f} TFLOP/s bf16 dense x {MATMUL_EFFICIENCY:.0%}, "
+        f"{spec.label}: {spec.bf16_flops / TERA:,.0f} TFLOP/s bf16 dense x {MATMUL_EFFICIENCY:.0%} for GEMMs, "
+        f"x {KERNEL_EFFICIENCY:.0%} for other kernels (calibrated), "
         f"HBM {spec.hbm_bytes_per_s / 1e12:.2f} TB/s x {HBM_EFFICIENCY:.0%}, NVLink "
         f"{spec.nvlink_bytes_per_s / GIGA:,.0f} GB/s and network {spec.network_bytes_per_s / GIGA:,.0f} GB/s per "
         f"GPU per direction x {LINK_EFFICIENCY:.0%}, {spec.gpus_per_node} GPUs per node, "

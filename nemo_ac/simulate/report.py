@@ -166,17 +166,19 @@ class PlanReport:
         for (dim, kind, hidden), record in sorted(counts.collectives.items()):
             out.append(
                 f"comm | {dim:<20} {kind:<15} {record.calls:6d} calls {decimal(record.wire_bytes):>12} sent per rank "
-                f"({decimal(record.payload_bytes)} buffers; {len(record.ranks)} ranks"
+                + (f"(NVLink; {decimal(record.network_bytes)} over RDMA) " if kind == "deepep" else "")
+                + f"({decimal(record.payload_bytes)} buffers; {len(record.ranks)} ranks"
                 + (", overlapped by FSDP)" if hidden else ", blocking)")
             )
         for estimate, fit in zip(self.estimates, self.fits, strict=True):
             verdict = "fits" if fit.device_fits else "DOES NOT FIT"
             dominant = ", ".join(f"{name} {seconds(spent)}" for name, spent in estimate.dominant())
             out.append(
-                f"estimate | {estimate.gpu}: step {seconds(estimate.step_s)} eager, {seconds(estimate.step_fused_s)} "
-                f"fully fused | MFU {estimate.mfu:.1%} .. {estimate.mfu_fused:.1%} | "
-                f"{sim.tokens_per_step / estimate.step_s:,.0f} .. {sim.tokens_per_step / estimate.step_fused_s:,.0f} "
-                f"tokens/s | memory {verdict}: {size(fit.peak_bytes)} of {size(fit.usable_bytes)} usable "
+                f"estimate | {estimate.gpu}: step {seconds(estimate.step_s)} (bounds: {seconds(estimate.step_eager_s)} "
+                f"eager, {seconds(estimate.step_fused_s)} all fused) | MFU {estimate.mfu:.1%} | "
+                f"{sim.tokens_per_step / estimate.step_s:,.0f} tokens/s, "
+                f"{sim.tokens_per_step / estimate.step_s / layout.world_size:,.0f} per GPU | memory {verdict}: "
+                f"{size(fit.peak_bytes)} of {size(fit.usable_bytes)} usable "
                 f"(headroom {'+' if fit.device_fits else '-'}{size(abs(fit.headroom_bytes))})"
                 + (
                     f" | host memory {'fits' if fit.host_fits else 'DOES NOT FIT'}: {size(fit.host_bytes_per_node)} "
@@ -186,8 +188,7 @@ class PlanReport:
                 )
             )
             out.append(
-                f"estimate | {estimate.gpu}:   compute {seconds(estimate.compute_s)} eager / "
-                f"{seconds(estimate.compute_fused_s)} fused (most: {dominant}); FSDP comm {seconds(estimate.overlapped_s)} "
+                f"estimate | {estimate.gpu}:   compute {seconds(estimate.compute_s)} (most: {dominant}); FSDP comm {seconds(estimate.overlapped_s)} "
                 f"overlapped; blocking comm {seconds(estimate.exposed_s)}"
                 + (
                     f"; host link {seconds(estimate.host_exposed_s)} blocking, "
@@ -202,7 +203,8 @@ class PlanReport:
             out.append(f"assumes | {assumptions_line(gpu)}")
         out.append(
             "assumes | FSDP all-gather / reduce-scatter hidden behind compute; EP all-to-all, CP exchanges and the "
-            "loop's all-reduces blocking; eager op stream on the roofline (an estimate, not a measurement)"
+            "loop's all-reduces blocking; the op stream on the roofline, compiled blocks at the bytes fusion leaves (an "
+            "estimate, not a measurement)"
         )
         out += [f"assumes | {line}" for line in sim.assumptions]
         out += [f"stand-in | {line}" for line in sim.stand_ins]
@@ -246,6 +248,7 @@ class PlanReport:
                     "overlapped": hidden,
                     "calls": r.calls,
                     "wire_bytes": r.wire_bytes,
+                    "network_bytes": r.network_bytes,
                     "payload_bytes": r.payload_bytes,
                     "group_size": len(r.ranks),
                 }
@@ -256,8 +259,10 @@ class PlanReport:
                     "gpu": e.gpu,
                     "estimate": True,
                     "step_s": e.step_s,
+                    "step_eager_s": e.step_eager_s,
                     "step_fused_s": e.step_fused_s,
                     "compute_s": e.compute_s,
+                    "compute_eager_s": e.compute_eager_s,
                     "compute_fused_s": e.compute_fused_s,
                     "dominant_ops_s": dict(e.dominant(5)),
                     "overlapped_comm_s": e.overlapped_s,
@@ -269,6 +274,7 @@ class PlanReport:
                     "mfu": e.mfu,
                     "mfu_fused": e.mfu_fused,
                     "tokens_per_s": sim.tokens_per_step / e.step_s if e.step_s else 0.0,
+                    "tokens_per_s_per_gpu": sim.tokens_per_step / e.step_s / sim.layout.world_size if e.step_s else 0.0,
                     "fits": f.fits,
                     "host_bytes_per_node": f.host_bytes_per_node,
                     "host_memory_bytes": f.host_memory_bytes,

@@ -9,12 +9,16 @@ dispatch (the rows sent to and received from each ep rank: ``AllToAllDispatcher.
   rest evenly; the busiest expert lives on the simulated rank (its receive side is the worst case).
 
 Every source rank is assumed to route the same number of rows the same way (packed rows of equal length).
-DeepEP's dispatch gets the same counts (its stand-in is this dispatcher). Routing without expert parallel has no
+DeepEP's dispatch gets the same counts (its stand-in is this dispatcher); what it puts on the wire differs
+(``deepep_copies``): one copy of a token per destination rank (not per expert) over NVLink, and across nodes one per
+destination node over RDMA, forwarded over NVLink inside that node. Its destinations are the round robin's (token t
+goes to experts t*k .. t*k + k - 1 mod E, as NeMo Automodel's ``FakeBalancedGate`` routes), whatever the imbalance. Routing without expert parallel has no
 data-dependent size: the grouped GEMMs' shapes are the row count whatever the split.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +64,55 @@ class RoutingAssumption:
         hot = min(rows, max(balanced[0], round(self.imbalance * rows / num_experts)))
         rest_base, rest_extra = divmod(rows - hot, num_experts - 1)
         return [hot] + [rest_base + (1 if e < rest_extra else 0) for e in range(num_experts - 1)]
+
+
+@dataclass(frozen=True)
+class DeepEPCopies:
+    """What DeepEP sends for each (token, expert) row that another rank of the EP group needs: ``per_rank`` copies
+    over NVLink (one per destination rank) and ``per_node`` over RDMA (one per destination node), both <= 1."""
+
+    per_rank: float
+    per_node: float
+
+
+@dataclass(frozen=True)
+class DeepEPRouting:
+    """The dispatch DeepEP stands in for: tokens per micro batch on this rank, top-k, experts."""
+
+    tokens: int
+    top_k: int
+    num_experts: int
+
+    def copies(self, *, group_ranks: tuple[int, ...], rank_in_group: int, gpus_per_node: int) -> DeepEPCopies:
+        return deepep_copies(
+            tokens=self.tokens,
+            top_k=self.top_k,
+            num_experts=self.num_experts,
+            group_ranks=group_ranks,
+            rank_in_group=rank_in_group,
+            gpus_per_node=gpus_per_node,
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def deepep_copies(
+    *, tokens: int, top_k: int, num_experts: int, group_ranks: tuple[int, ...], rank_in_group: int, gpus_per_node: int
+) -> DeepEPCopies:
+    """Over the round robin's destinations (module docstring): remote rows, distinct remote ranks and distinct
+    remote nodes per token, summed over ``tokens`` tokens of the rank at ``rank_in_group`` of ``group_ranks``."""
+    local = num_experts // len(group_ranks)
+    node_of = [rank // gpus_per_node for rank in group_ranks]
+    own_node = node_of[rank_in_group]
+    rows = ranks = nodes = 0
+    for token in range(tokens):
+        dest = {(token * top_k + slot) % num_experts // local for slot in range(top_k)}
+        remote = [r for r in dest if r != rank_in_group]
+        rows += sum(1 for slot in range(top_k) if (token * top_k + slot) % num_experts // local != rank_in_group)
+        ranks += len(remote)
+        nodes += len({node_of[r] for r in remote} - {own_node})
+    if rows == 0:
+        return DeepEPCopies(per_rank=1.0, per_node=1.0)
+    return DeepEPCopies(per_rank=ranks / rows, per_node=nodes / rows)
 
 
 class AssumedSplitsDispatcher(AllToAllDispatcher):

@@ -33,11 +33,12 @@ from nemo_ac.distributed.plan import ParallelPlan
 from nemo_ac.distributed.plan.kernels import resolve_mixer_kernel
 from nemo_ac.models.freeze import freeze
 from nemo_ac.simulate.counters import WORLD, StepCounter
+from nemo_ac.simulate.fusion import CompiledRegions
 from nemo_ac.simulate.host_shards import add_host_shard_costs, fsdp_unit_shards, staging_bytes
 from nemo_ac.simulate.host_shards import describe as describe_host_shards
 from nemo_ac.simulate.inputs import DataAssumption, reads_offline, standin_micro_batches
 from nemo_ac.simulate.memory import HOST_CATEGORIES, HandAdded, PeakSampler, host_bytes
-from nemo_ac.simulate.routing import RoutingAssumption, install_assumed_routing
+from nemo_ac.simulate.routing import DeepEPRouting, RoutingAssumption, install_assumed_routing
 from nemo_ac.simulate.step import StepMeasurement, measure_step, start_like_a_later_step
 from nemo_ac.trainer.batching import make_batch_preparer
 from nemo_ac.trainer.build import (
@@ -146,12 +147,16 @@ def simulation_recipe(recipe: RecipeConfig, *, device_type: str) -> tuple[Recipe
     if backend.dispatcher == "deepep":
         stand_ins.append(
             "DeepEP dispatch / combine -> the all-to-all dispatcher under the same routing assumption (the same rows "
-            f"moved; DeepEP's own buffers added by hand: {DEEPEP_BUFFER_BYTES / 2**30:.0f} GiB)"
+            "arrive; costed as DeepEP sends them: a token once per destination rank over NVLink, once per destination "
+            f"node over RDMA; DeepEP's own buffers added by hand: {DEEPEP_BUFFER_BYTES / 2**30:.0f} GiB)"
         )
     if device_type != "cpu":
         stand_ins.append(f"device {device_type} -> cpu (fake tensors: no memory either way)")
     if recipe.compile.enabled:
-        stand_ins.append("torch.compile not applied: the eager op stream is counted (compile fuses elementwise ops)")
+        stand_ins.append(
+            "torch.compile not applied: the eager op stream runs; the compiled blocks' ops are costed at the bytes "
+            "inductor's fusion leaves (simulate.fusion)"
+        )
     sim_backend = dataclasses.replace(
         backend,
         attention=attention,
@@ -275,7 +280,16 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         limit = options.micro_batch_limit if hold_gradients else None
         with fake:
             start_like_a_later_step(trainer, hold_gradients=hold_gradients)
-        counter = StepCounter(group_labels=mesh_group_labels(meshes))
+        regions = CompiledRegions()
+        regions.attach(model, [block.path for block in plan.blocks if block.compile_layout is not None])
+        deepep = None
+        if recipe.backend.dispatcher == "deepep" and layout.ep > 1:
+            deepep = DeepEPRouting(
+                tokens=prepared[0].labels.numel(),  # this rank's tokens of a micro batch (after the CP split)
+                top_k=recipe.model.moe.num_experts_per_tok,
+                num_experts=recipe.model.moe.num_experts,
+            )
+        counter = StepCounter(group_labels=mesh_group_labels(meshes), regions=regions, deepep=deepep)
         # optimizer_offload full on a GPU plan: FSDP's shards, gradients and the states are in host memory.
         shards_on_host = plan.fsdp.parameters_on_host and device_type == "cuda"
         sampler = PeakSampler(
@@ -302,6 +316,8 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
                 f"{type(exc).__name__}: "
                 f"{first}"
             ) from exc
+        finally:
+            regions.detach()
     offloader = applied.applied.offloader if applied.applied else None
     host = host_bytes(
         optimizer,

@@ -51,6 +51,7 @@ def combine(parts: Sequence[tuple[StepCounts, int]]) -> StepCounts:
             mine.calls += record.calls * times
             mine.payload_bytes += record.payload_bytes * times
             mine.wire_bytes += record.wire_bytes * times
+            mine.network_bytes += record.network_bytes * times
         out.costs.extend(
             part.costs if times == 1 else [dataclasses.replace(c, weight=c.weight * times) for c in part.costs]
         )

@@ -6,7 +6,7 @@ instead of full), the micro batch halved or doubled, AdamW's states on the host 
 loss in 1024-token chunks instead of whole logits (or back). Each candidate that validates is dry-run with ``--depth
 scaled`` (one block of each kind, scaled: minutes for the whole sweep, not hours) and kept when its estimated peak
 fits every GPU asked for; the rest are listed with the reason. The ranking key is the estimated step time on the
-first GPU (eager bound): an estimate, as every number of the plan.
+first GPU (the estimate: compiled blocks fused, calibrated): an estimate, as every number of the plan.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def run_sweep(base: Simulation, *, gpus: list[GpuSpec], options: SimulationOptio
             candidate.rejected = "invalid: " + " ".join(str(exc).split())[:160]
         except SimulationError as exc:
             candidate.rejected = "dry run failed: " + str(exc)[:160]
-    print(f"sweep | {base.recipe.name} at world size {world}, estimates on {gpus[0].name} (depth scaled, eager bound)")
+    print(f"sweep | {base.recipe.name} at world size {world}, estimates on {gpus[0].name} (depth scaled)")
     fitting = [c for c in candidates if c.report and all(f.fits for f in c.report.fits)]
     fitting.sort(key=lambda c: c.report.estimates[0].step_s)  # type: ignore[union-attr]
     for rank, c in enumerate(fitting, 1):

@@ -14,6 +14,9 @@ else. Checked on torch 2.13.0 and 2.14.1 (CI), where each of them is present as 
   GPU kernel (``models.common.op_flops.reference_flops``) does so with the surrounding modes popped.
 - ``torch._C._current_graph_task_id``: -1 outside backward (what ``torch.utils.checkpoint`` asks too): tells the
   dry run's counters forward, backward and recompute apart.
+- ``torch._C._current_autograd_node`` and ``Node._sequence_nr``: the autograd node the engine is running and its
+  creation number (per thread, increasing: what the profiler's ``seq`` is). The estimate attributes a backward op to
+  the compiled block whose forward created that node (``simulate.fusion``).
 - ``torch.distributed.distributed_c10d._resolve_process_group`` and ``ProcessGroup.unbox``: the process group of a
   functional / c10d collective op, to attribute its bytes to a mesh dimension.
 - ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` (the Python and the C++ fast-path caches) and the
@@ -26,7 +29,7 @@ else. Checked on torch 2.13.0 and 2.14.1 (CI), where each of them is present as 
   mode differs from the one it entered under). ``dtensor_propagation_marked`` wraps that method so that
   ``in_sharding_propagation()`` tells the counters to let those ops pass uncounted.
 
-Relies on: torch._subclasses.fake_tensor, torch._C._current_graph_task_id,
+Relies on: torch._subclasses.fake_tensor, torch._C._current_graph_task_id, torch._C._current_autograd_node,
 torch.distributed.distributed_c10d._resolve_process_group and DTensor's sharding propagator (the pieces above).
 ``nemo-ac doctor`` (check ``fake_world``) asks the installed torch for each of them.
 Upstream: none filed.
@@ -136,6 +139,20 @@ class RealWhereAllReal(TorchDispatchMode):
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
+
+
+def autograd_sequence_nr(node: Any) -> int | None:
+    """The creation number of an autograd node (``tensor.grad_fn``), None for no node or a leaf's accumulator (which
+    carries the maximum value: it belongs to no forward op)."""
+    if node is None:
+        return None
+    number = int(node._sequence_nr())
+    return None if number >= 2**63 - 1 or number < 0 else number
+
+
+def running_autograd_sequence_nr() -> int | None:
+    """The creation number of the node autograd's engine is running on this thread (None outside backward)."""
+    return autograd_sequence_nr(torch._C._current_autograd_node())
 
 
 def process_group_of(group: Any) -> dist.ProcessGroup | None:

@@ -252,7 +252,7 @@ TECHNIQUES: tuple[Workaround, ...] = (
     technique(
         name="fake_world",
         title="the fake process group, fake tensors and graph-task id of the dry run",
-        relies_on="torch._subclasses.fake_tensor, torch._C._current_graph_task_id, "
+        relies_on="torch._subclasses.fake_tensor, torch._C._current_graph_task_id, torch._C._current_autograd_node, "
         "torch.distributed.distributed_c10d._resolve_process_group and DTensor's sharding propagator",
         applied="the full-size dry run (nemo_ac.simulate)",
         delete_when="torch has public equivalents (a documented fake world for estimation)",

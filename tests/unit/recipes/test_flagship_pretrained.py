@@ -58,3 +58,24 @@ def test_overrides_are_noted_and_only_explicit_keys_override() -> None:
     assert notes[0].endswith("2 key(s) overridden by the recipe")
     # A key the recipe does not write keeps config.json's value even where the schema default differs.
     assert recipe.model.vocab_size == 248320 and recipe.model.rms_norm_eps == 1e-6
+
+
+def test_the_calibration_recipe_is_qwen3_30b_a3b_from_its_snapshot() -> None:
+    """benchmarks/recipes/qwen3_30b_a3b_automodel_ep8.yaml (the estimate's calibration row) validates offline at 8
+    ranks from the shipped Qwen3-30B-A3B config.json: 48 layers of 128 experts, top-8, EP8 x FSDP8."""
+    from nemo_ac.config import validate_recipe
+
+    notes: list[str] = []
+    path = RECIPES.parent / "benchmarks" / "recipes" / "qwen3_30b_a3b_automodel_ep8.yaml"
+    recipe = load_recipe(path, notes=notes)
+    assert notes[0].startswith("model.pretrained: architecture from recipes/hf_configs/Qwen/Qwen3-30B-A3B/config.json")
+    model = recipe.model
+    assert (model.num_layers, model.hidden_size, model.moe.num_experts, model.moe.num_experts_per_tok) == (
+        48,
+        2048,
+        128,
+        8,
+    )
+    layout = validate_recipe(recipe, world_size=8)
+    assert (layout.ep, layout.dp_shard) == (8, 8)
+    assert (recipe.train.global_batch_size, recipe.train.micro_batch_size, recipe.data.seq_len) == (512, 4, 4096)

@@ -155,6 +155,13 @@ def test_each_flagship_steps_at_real_width(name: str) -> None:
     states = m.peak.terms.get("optimizer states", 0) + simulation.host_bytes.get("optimizer states", 0)
     assert states > 2**28 and m.counts.flops["forward"] > 1e13  # real widths (states on the device or the host)
     assert m.counts.collectives and simulation.plan.summary_lines()
+    kinds = {kind for (_, kind, _) in m.counts.collectives}
+    if recipe.backend.dispatcher == "deepep":  # Nemotron: EP64 over 8 nodes, so part of DeepEP's copies cross RDMA
+        deepep = [r for (_, kind, _), r in m.counts.collectives.items() if kind == "deepep"]
+        assert "all_to_all" not in kinds and deepep
+        assert 0 < deepep[0].network_bytes < deepep[0].wire_bytes
+    elif recipe.parallel.ep > 1:
+        assert "all_to_all" in kinds and "deepep" not in kinds
 
 
 def test_a_flagship_plans_through_the_cli_depth_scaled(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
