@@ -274,6 +274,20 @@ def build_parser() -> argparse.ArgumentParser:
         "this rank's peak memory, FLOPs and collectives with it (runs every micro batch)",
     )
     plan.add_argument("--sweep", action="store_true", help="rank the layouts that fit at this world size")
+    plan.add_argument(
+        "--trace",
+        default=None,
+        metavar="PATH",
+        help="write the estimated step (first --gpu) as a Chrome / Perfetto trace: compute, FSDP, EP / CP and host "
+        "streams, each op named (open in ui.perfetto.dev or chrome://tracing)",
+    )
+    plan.add_argument(
+        "--memory-plot",
+        default=None,
+        metavar="PATH",
+        help="write a PNG of device memory over the step by term (parameters, gradients, optimizer, activations, "
+        "temporaries, buffers), the peak marked (needs Pillow)",
+    )
     plan.set_defaults(func=_plan)
 
     export = sub.add_parser(

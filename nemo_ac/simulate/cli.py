@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.config.load import load_recipe
@@ -93,6 +95,45 @@ def dry_run(
     return simulate(checked.recipe, checked.layout, options)
 
 
+def check_picture_paths(*, trace: str | None, memory_plot: str | None, depth: str) -> bool:
+    """Refuse, before the dry run, what cannot be drawn: a depth-scaled step (no one step to draw), a missing
+    Pillow, a directory that does not exist."""
+    for key, path in (("--trace", trace), ("--memory-plot", memory_plot)):
+        if path is None:
+            continue
+        if depth != "full":
+            raise ConfigError(ConfigIssue(key, "draws one full-depth step: drop --depth scaled"))
+        parent = Path(path).resolve().parent
+        if not parent.is_dir():
+            raise ConfigError(ConfigIssue(key, f"{path}: the directory {parent} does not exist"))
+    if memory_plot is not None:
+        try:
+            import PIL  # noqa: F401
+        except ImportError:
+            raise ConfigError(ConfigIssue("--memory-plot", "needs Pillow: pip install pillow")) from None
+    return trace is not None or memory_plot is not None
+
+
+def write_pictures(simulation: Simulation, gpu: GpuSpec, *, trace: str | None, memory_plot: str | None) -> list[str]:
+    from nemo_ac.simulate.trace import memory_series, replayed_spans, step_timeline, write_memory_plot
+
+    counts = simulation.measurement.counts
+    events, starts = step_timeline(counts, gpu=gpu)
+    lines = []
+    if trace:
+        Path(trace).write_text(json.dumps(events))
+        lines.append(
+            f"plan | trace of the estimated step on {gpu.name} written to {trace} ({len(events['traceEvents']):,} "
+            f"events, {events['otherData']['end_s']:.2f} s; open in ui.perfetto.dev)"
+        )
+    if memory_plot:
+        series = memory_series(simulation.measurement.timeline, starts)
+        title = f"{simulation.recipe.name}: device memory per rank over the estimated step on {gpu.name}"
+        write_memory_plot(memory_plot, series, title=title, replayed=replayed_spans(events))
+        lines.append(f"plan | memory plot written to {memory_plot} ({len(series):,} samples)")
+    return lines
+
+
 def run_plan(args: argparse.Namespace) -> int:
     # DTensor warns once per HSDP gradient-norm reduction that it runs two all-reduces: true of the real run too,
     # counted in the plan's collectives, and not this command's output.
@@ -101,12 +142,14 @@ def run_plan(args: argparse.Namespace) -> int:
         gpus = gpu_specs(args.gpu, host_memory_gib=args.host_memory)
         if args.doc_tokens is not None and args.doc_tokens < 1:
             raise ConfigError(ConfigIssue("--doc-tokens", f"{args.doc_tokens}: give a number of tokens >= 1"))
+        pictures = check_picture_paths(trace=args.trace, memory_plot=args.memory_plot, depth=args.depth)
         options = SimulationOptions(
             world_size=args.world_size or 0,
             routing=RoutingAssumption(imbalance=args.imbalance),
             data=DataAssumption(doc_tokens=args.doc_tokens),
             micro_batch_limit=None if args.against else micro_batch_limit(args.micro_batches),
             rank=args.rank,
+            memory_timeline=args.memory_plot is not None,
         )
         if args.sweep:
             from nemo_ac.simulate.sweep import run_sweep
@@ -125,6 +168,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         report.write_json(args.json)
         print(f"plan | JSON written to {args.json}")
+    if pictures:
+        for line in write_pictures(simulation, gpus[0], trace=args.trace, memory_plot=args.memory_plot):
+            print(line)
     if args.against:
         from nemo_ac.simulate.accuracy import compare, read_measured
 

@@ -175,10 +175,26 @@ class OpCost:
     link: str = ""
     # The bytes left when the op runs inside a compiled block (``simulate.fusion``); None: ``bytes`` (eager).
     compiled_bytes: int | None = None
+    seq: int = 0  # the counter's running op number (a memory sample's ``seq`` places it on the trace)
 
     @property
     def fused_bytes(self) -> int:
         return self.bytes if self.compiled_bytes is None else self.compiled_bytes
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective in issue order, for the trace: issued after ``at`` costs of its segment."""
+
+    at: int
+    label: str
+    kind: str
+    overlapped: bool
+    phase: str
+    wire_bytes: int
+    network_bytes: int
+    ranks: tuple[int, ...]
+    weight: int = 1
 
 
 @dataclass
@@ -188,6 +204,9 @@ class StepCounts:
     collectives: dict[tuple[str, str, bool], CollectiveRecord] = field(default_factory=dict)
     without_formula: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     ops: int = 0
+    calls: list[CollectiveCall] = field(default_factory=list)  # every collective, in order (the trace)
+    # Costs (and calls) from this index on are micro batches counted as the last one run, not run themselves.
+    replayed_from: int | None = None
 
     @property
     def total_flops(self) -> int:
@@ -224,6 +243,7 @@ class StepCounter(TorchDispatchMode):
         self.live_buffer_bytes = 0
         self.last_op = "no op yet"
         self.failed_op = ""  # the first op that raised: named by a failure report
+        self.sequence = 0  # ops seen since the counter was made (never reset: orders costs and memory samples)
         self._buffers: dict[int, Any] = {}
         self._forced_phase: str | None = None
 
@@ -316,6 +336,9 @@ class StepCounter(TorchDispatchMode):
         record.payload_bytes += payload
         record.wire_bytes += wire
         record.network_bytes += network
+        self.counts.calls.append(
+            CollectiveCall(len(self.counts.costs), label, kind, overlapped, self._phase(), wire, network, ranks)
+        )
 
     def _keep_buffer(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage as a live communication buffer until it is freed."""
@@ -345,6 +368,7 @@ class StepCounter(TorchDispatchMode):
             self.failed_op = self.failed_op or self.last_op  # the innermost op raising (cleanup ops follow)
             raise
         self.counts.ops += 1
+        self.sequence += 1
         self._count(func, args, kwargs, out, self._phase())
         return out
 
@@ -377,14 +401,14 @@ class StepCounter(TorchDispatchMode):
                 if self.regions is not None:
                     self.regions.account(None, extern=True, inputs=inputs, outputs=[])
                 self.counts.costs.append(
-                    OpCost(0, host_payload, 0, phase, name="host_copy", link="host")
+                    OpCost(0, host_payload, 0, phase, name="host_copy", link="host", seq=self.sequence)
                 )
                 return
             moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs) + written
             floating = [t for t in inputs if t.is_floating_point()]
             bits = floating[0].element_size() * 8 if floating else 32
             if moved or flops:
-                cost = OpCost(flops, moved, bits, phase, name=packet.__name__)
+                cost = OpCost(flops, moved, bits, phase, name=packet.__name__, seq=self.sequence)
                 if self.regions is not None:
                     extern = is_extern(packet.__name__, func.namespace, flops)
                     self.regions.account(cost, extern=extern, inputs=inputs, outputs=outputs)

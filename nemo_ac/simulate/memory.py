@@ -106,7 +106,11 @@ class PeakSampler:
         device_type: str,
         context: Callable[[], tuple[int, str]] = lambda: (0, ""),
         host_categories: frozenset[str] = frozenset(),
+        sequence: Callable[[], int] | None = None,
     ) -> None:
+        """``sequence``: the counter's running op number; given, the sampler also keeps ``timeline``, the device's
+        memory by term over the step (what ``nemo-ac plan --memory-plot`` draws), one sample per op at most and
+        only where the total moved by more than 0.2% of the peak so far."""
         from nemo_ac.workarounds.mem_tracker_global_peak import GlobalPeakFSDPMemTracker
 
         self.tracker = GlobalPeakFSDPMemTracker(model, optimizer, on_update=self._on_update)
@@ -116,6 +120,9 @@ class PeakSampler:
         self.optimizer = optimizer
         self._state_bytes: int | None = None
         self.phase_peaks: dict[str, PeakMemory] = {}
+        self.sequence = sequence
+        self.timeline: list[tuple[int, str, dict[str, int]]] = []  # (op number, phase, {term: bytes})
+        self._highest = 0
 
     @property
     def peak(self) -> PeakMemory:
@@ -137,14 +144,12 @@ class PeakSampler:
         totals = _device_totals(snapshot, self.device_type, self.host_categories)
         total = totals.get("Total", 0)
         comm_bytes, phase = self.context()
+        if self.sequence is not None:
+            self._sample(total, phase, totals)
         best = self.phase_peaks.get(phase)
         if best is not None and total <= best.peak_bytes:
             return
-        terms: dict[str, int] = {}
-        for name, value in totals.items():
-            if name != "Total":
-                term = TERMS.get(name, name)
-                terms[term] = terms.get(term, 0) + value
+        terms = _terms(totals)
         # The tracker files everything the optimizer step allocates as optimizer state; what exceeds the state
         # tensors themselves are the step's temporaries (foreach AdamW: a copy of exp_avg_sq's square root).
         if self._state_bytes is None:  # the states exist before the tracked step and keep their size
@@ -157,6 +162,27 @@ class PeakSampler:
         self.phase_peaks[phase] = PeakMemory(
             peak_bytes=total, terms=terms, comm_bytes_at_peak=comm_bytes, phase_at_peak=phase
         )
+
+    def _sample(self, total: int, phase: str, totals: dict[str, int]) -> None:
+        seq = self.sequence() if self.sequence is not None else 0
+        self._highest = max(self._highest, total)
+        if self.timeline:
+            last_seq, _, last = self.timeline[-1]
+            moved = abs(total - sum(last.values()))
+            if total < self._highest and moved <= self._highest // 500:
+                return
+            if last_seq == seq:
+                self.timeline.pop()
+        self.timeline.append((seq, phase, _terms(totals)))
+
+
+def _terms(totals: dict[str, int]) -> dict[str, int]:
+    terms: dict[str, int] = {}
+    for name, value in totals.items():
+        if name != "Total":
+            term = TERMS.get(name, name)
+            terms[term] = terms.get(term, 0) + value
+    return terms
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str) -> int:

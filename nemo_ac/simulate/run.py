@@ -74,6 +74,7 @@ class SimulationOptions:
     data: DataAssumption = field(default_factory=DataAssumption)
     micro_batch_limit: int | None = 1  # run at most this many micro batches of the step (None: all)
     rank: int = 0
+    memory_timeline: bool = False  # keep device memory by term over the step (nemo-ac plan --memory-plot)
 
 
 @dataclass
@@ -298,6 +299,7 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
             device_type="cpu",
             context=counter.buffer_state,
             host_categories=HOST_CATEGORIES if shards_on_host else frozenset(),
+            sequence=(lambda: counter.sequence) if options.memory_timeline else None,
         )
         try:
             with dtensor_propagation_marked(), fake, RealWhereAllReal(), sampler, counter:

@@ -33,6 +33,7 @@ class StepMeasurement:
     micro_batches_run: int
     micro_batches_per_step: int
     phase_peaks: dict[str, PeakMemory] = field(default_factory=dict)  # the peak of each phase (depth scaling)
+    timeline: list[tuple[int, str, dict[str, int]]] = field(default_factory=list)  # PeakSampler.timeline
 
 
 def combine(parts: Sequence[tuple[StepCounts, int]]) -> StepCounts:
@@ -52,6 +53,8 @@ def combine(parts: Sequence[tuple[StepCounts, int]]) -> StepCounts:
             mine.payload_bytes += record.payload_bytes * times
             mine.wire_bytes += record.wire_bytes * times
             mine.network_bytes += record.network_bytes * times
+        offset = len(out.costs)
+        out.calls.extend(dataclasses.replace(c, at=c.at + offset, weight=c.weight * times) for c in part.calls)
         out.costs.extend(
             part.costs if times == 1 else [dataclasses.replace(c, weight=c.weight * times) for c in part.costs]
         )
@@ -105,12 +108,16 @@ def measure_step(
     update = counter.counts
     counter.reset()
     parts = [(segment, 1) for segment in segments] + [(update, 1)]
+    replayed_from = sum(len(part.costs) for part, _ in parts)
     if run < total:
         parts.append((segments[-1], total - run))
+    counts = combine(parts)
+    counts.replayed_from = replayed_from if run < total else None
     return StepMeasurement(
-        counts=combine(parts),
+        counts=counts,
         peak=sampler.peak,
         micro_batches_run=run,
         micro_batches_per_step=total,
         phase_peaks=dict(sampler.phase_peaks),
+        timeline=list(sampler.timeline),
     )
