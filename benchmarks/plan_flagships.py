@@ -52,8 +52,8 @@ def main() -> int:
     plans = {}
     rows = [
         "| recipe | world | GPU | peak GiB per rank (largest terms) | fits (headroom GiB) | host GiB per node | TFLOP per "
-        "rank per step (executed / model) | communication GB per rank per step | step s (eager .. fused) | MFU | dry run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "rank per step (executed / model) | communication GB per rank per step | step s (bounds: fused .. eager) | MFU | tokens/s per GPU | dry run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, world in FLAGSHIPS:
         json_path = Path(tempfile.mkdtemp()) / "plan.json"
@@ -73,8 +73,8 @@ def main() -> int:
             fits = f"{'yes' if e['fits'] else 'NO'} ({e['headroom_bytes'] / GiB:+.1f})"
             rows.append(
                 f"| {name.removesuffix('.yaml')} | {world} | {e['gpu']} | {memory['peak_bytes'] / GiB:.1f} ({largest}) | "
-                f"{fits} | {e['host_bytes_per_node'] / GiB:,.1f} | {flops} | {comm} | {e['step_s']:.2f} .. {e['step_fused_s']:.2f} | "
-                f"{e['mfu']:.1%} .. {e['mfu_fused']:.1%} | {wall:.0f} s, {rss / GiB:.2f} GiB RSS |"
+                f"{fits} | {e['host_bytes_per_node'] / GiB:,.1f} | {flops} | {comm} | {e['step_s']:.2f} ({e['step_fused_s']:.2f} .. {e['step_eager_s']:.2f}) | "
+                f"{e['mfu']:.1%} | {e['tokens_per_s_per_gpu']:,.0f} | {wall:.0f} s, {rss / GiB:.2f} GiB RSS |"
             )
         print(rows[-2], rows[-1], sep="\n", flush=True)
     out.with_suffix(".json").write_text(json.dumps(plans, indent=1) + "\n")

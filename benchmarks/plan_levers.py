@@ -55,7 +55,7 @@ def row(label: str, levers: str, report: dict) -> str:
     tokens = estimate["tokens_per_s"] / report["world_size"]
     return (
         f"| {label} | {levers} | {memory['peak_bytes'] / GiB:.2f} ({memory['phase_at_peak']}) | {fits} | "
-        f"{f'{host:,.1f}' if host else '-'} | {estimate['step_s']:.2f} / {estimate['step_fused_s']:.2f} | "
+        f"{f'{host:,.1f}' if host else '-'} | {estimate['step_s']:.2f} | "
         f"{estimate['host_step_s'] + estimate['host_link_blocking_s']:.2f} | {tokens:,.0f} |"
     )
 
@@ -66,7 +66,7 @@ def main() -> int:
     args = parser.parse_args()
     lines = [
         "| recipe, ranks | levers | peak GiB per rank (at) | fits (headroom GiB) | host GiB per node | "
-        "step s (eager / fused) | of which host s (blocking link + host step) | tokens/s per GPU (eager) |",
+        "step s (estimate) | of which host s (blocking link + host step) | tokens/s per GPU |",
         "|---|---|---|---|---|---|---|---|",
     ]
     reports = []
