@@ -225,7 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
         "rank, FLOPs, communication, estimated step time and MFU per GPU",
     )
     plan.add_argument("recipe", type=resolve_recipe, help=recipe_help)
-    plan.add_argument("--world-size", type=int, default=None, help="default: the recipe's own (when it fixes one)")
+    plan.add_argument(
+        "--world-size",
+        "--gpus",
+        dest="world_size",
+        type=int,
+        default=None,
+        help="ranks (GPUs) to plan for; default: the recipe's own (when it fixes one)",
+    )
     plan.add_argument(
         "--gpu",
         action="append",
@@ -274,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
         "this rank's peak memory, FLOPs and collectives with it (runs every micro batch)",
     )
     plan.add_argument("--sweep", action="store_true", help="rank the layouts that fit at this world size")
+    plan.add_argument(
+        "--search",
+        action="store_true",
+        help="from the recipe's layout, move to the fastest neighbouring layout that fits (EP, CP, AC, micro batch, "
+        "offload, reshard, HSDP) until none is faster; prints the overrides that run it",
+    )
     plan.add_argument(
         "--trace",
         default=None,

@@ -151,10 +151,12 @@ def run_plan(args: argparse.Namespace) -> int:
             rank=args.rank,
             memory_timeline=args.memory_plot is not None,
         )
-        if args.sweep:
-            from nemo_ac.simulate.sweep import run_sweep
+        if args.sweep or args.search:
+            from nemo_ac.simulate.sweep import run_search, run_sweep
 
             base = dry_run(args.recipe, args.overrides, world_size=args.world_size, options=options, depth="scaled")
+            if args.search:
+                return run_search(base, gpus=gpus, options=options)
             return run_sweep(base, gpus=gpus, options=options)
         simulation = dry_run(args.recipe, args.overrides, world_size=args.world_size, options=options, depth=args.depth)
     except ConfigError as exc:

@@ -1,4 +1,5 @@
-"""``nemo-ac plan RECIPE --sweep``: the recipe's layout and its neighbours at the same world size, dry-run and ranked.
+"""``nemo-ac plan RECIPE --sweep``: the recipe's layout and its neighbours at the same world size, dry-run and ranked;
+``--search``: from the recipe, move to the fastest neighbour that fits until none is faster.
 
 A neighbour changes one choice of the recipe: expert parallel halved or doubled, context parallel halved or doubled
 (each CP type that validates), the other CP type, full instead of selective activation checkpointing (or selective
@@ -7,11 +8,18 @@ loss in 1024-token chunks instead of whole logits (or back). Each candidate that
 scaled`` (one block of each kind, scaled: minutes for the whole sweep, not hours) and kept when its estimated peak
 fits every GPU asked for; the rest are listed with the reason. The ranking key is the estimated step time on the
 first GPU (the estimate: compiled blocks fused, calibrated): an estimate, as every number of the plan.
+
+The search is a hill climb over the same moves plus FSDP's reshard after forward (kept or not) and HSDP (dp_replicate
+doubled or halved): each round dry-runs the neighbours of the best layout so far that no round has tried, and moves
+to the fastest that fits; it stops when no neighbour is faster, after ``max_rounds``, and prints the override line
+that runs the layout it found. Pruning: a layout is dry-run once, and only the best layout's neighbours are expanded
+(a local search: it finds the best layout reachable by single changes that each help, not a proven optimum).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 from nemo_ac.config.errors import ConfigError
@@ -33,8 +41,11 @@ class Candidate:
 
 
 def _with(recipe: RecipeConfig, **changes: object) -> RecipeConfig:
-    parallel = {k: v for k, v in changes.items() if k in ("ep", "cp", "cp_type")}
+    parallel = {k: v for k, v in changes.items() if k in ("ep", "cp", "cp_type", "dp_replicate")}
     out = dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, dp_shard=-1, **parallel))
+    if "reshard" in changes:
+        fsdp = dataclasses.replace(out.parallel.fsdp, reshard_after_forward=changes["reshard"])
+        out = dataclasses.replace(out, parallel=dataclasses.replace(out.parallel, fsdp=fsdp))
     if "ac" in changes:
         ac = dataclasses.replace(out.activation_checkpointing, mode=changes["ac"])
         if changes["ac"] == "selective":
@@ -49,8 +60,39 @@ def _with(recipe: RecipeConfig, **changes: object) -> RecipeConfig:
     return out
 
 
-def neighbours(recipe: RecipeConfig) -> list[Candidate]:
-    """The recipe itself, then each one-choice change of it."""
+# What a search may change, as recipe keys: the layout key and the override line are read from these.
+SEARCHED_KEYS = (
+    "parallel.ep",
+    "parallel.cp",
+    "parallel.cp_type",
+    "parallel.dp_replicate",
+    "parallel.fsdp.reshard_after_forward",
+    "activation_checkpointing.mode",
+    "activation_checkpointing.offload",
+    "train.micro_batch_size",
+    "train.optimizer_offload",
+    "train.loss_chunk_tokens",
+)
+
+
+def _value(recipe: RecipeConfig, key: str) -> object:
+    value: object = recipe
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def overrides(original: RecipeConfig, recipe: RecipeConfig) -> list[str]:
+    """The ``key=value`` overrides that turn ``original`` into ``recipe`` (over ``SEARCHED_KEYS``)."""
+    out = [f"{key}={str(_value(recipe, key)).lower() if isinstance(_value(recipe, key), bool) else _value(recipe, key)}"
+           for key in SEARCHED_KEYS if _value(recipe, key) != _value(original, key)]  # fmt: skip
+    if out and original.parallel.dp_shard != -1:
+        out.insert(0, "parallel.dp_shard=-1")
+    return out
+
+
+def neighbours(recipe: RecipeConfig, *, search: bool = False) -> list[Candidate]:
+    """The recipe itself, then each one-choice change of it (``search``: also reshard and HSDP moves)."""
     par, ac, mb = recipe.parallel, recipe.activation_checkpointing.mode, recipe.train.micro_batch_size
     out = [Candidate(f"ep {par.ep} cp {par.cp} {par.cp_type} AC {ac} mb {mb} (the recipe)", recipe, own=True)]
 
@@ -80,7 +122,31 @@ def neighbours(recipe: RecipeConfig) -> list[Candidate]:
             add(f"optimizer_offload {other}", offload=other)
     chunk = 0 if recipe.train.loss_chunk_tokens else 1024
     add(f"loss_chunk_tokens {chunk}", chunk=chunk)
+    if search:
+        reshard = not par.fsdp.reshard_after_forward
+        add(f"reshard_after_forward {str(reshard).lower()}", reshard=reshard)
+        for replicate in (par.dp_replicate * 2, par.dp_replicate // 2):
+            if replicate >= 1:
+                add(f"dp_replicate {replicate}", dp_replicate=replicate)
     return out
+
+
+def _evaluate(candidate: Candidate, *, world: int, gpus: list[GpuSpec], options: SimulationOptions) -> None:
+    try:
+        layout = validate_recipe(candidate.recipe, world_size=world)
+        candidate.report = PlanReport.build(simulate_scaled(candidate.recipe, layout, options), gpus)
+    except ConfigError as exc:
+        candidate.rejected = "invalid: " + " ".join(str(exc).split())[:160]
+    except SimulationError as exc:
+        candidate.rejected = "dry run failed: " + str(exc)[:160]
+
+
+def _fits(candidate: Candidate) -> bool:
+    return candidate.report is not None and all(f.fits for f in candidate.report.fits)
+
+
+def _step(candidate: Candidate) -> float:
+    return candidate.report.estimates[0].step_s  # type: ignore[union-attr]
 
 
 def run_sweep(base: Simulation, *, gpus: list[GpuSpec], options: SimulationOptions) -> int:
@@ -89,14 +155,10 @@ def run_sweep(base: Simulation, *, gpus: list[GpuSpec], options: SimulationOptio
     world = base.layout.world_size
     candidates = neighbours(base.recipe)
     for candidate in candidates:
-        try:
-            layout = validate_recipe(candidate.recipe, world_size=world)
-            simulation = base if candidate.own else simulate_scaled(candidate.recipe, layout, options)
-            candidate.report = PlanReport.build(simulation, gpus)
-        except ConfigError as exc:
-            candidate.rejected = "invalid: " + " ".join(str(exc).split())[:160]
-        except SimulationError as exc:
-            candidate.rejected = "dry run failed: " + str(exc)[:160]
+        if candidate.own:
+            candidate.report = PlanReport.build(base, gpus)
+        else:
+            _evaluate(candidate, world=world, gpus=gpus, options=options)
     print(f"sweep | {base.recipe.name} at world size {world}, estimates on {gpus[0].name} (depth scaled)")
     fitting = [c for c in candidates if c.report and all(f.fits for f in c.report.fits)]
     fitting.sort(key=lambda c: c.report.estimates[0].step_s)  # type: ignore[union-attr]
@@ -118,4 +180,65 @@ def run_sweep(base: Simulation, *, gpus: list[GpuSpec], options: SimulationOptio
             ]
             why = "does not fit: " + ", ".join(over)
         print(f"sweep |  -  {c.label:<48} {why}" + ("  <- the recipe" if c.own else ""))
+    return 0
+
+
+@dataclass
+class SearchResult:
+    best: Candidate
+    moves: list[Candidate]  # the layout each round moved to, in order
+    tried: int  # layouts dry-run, the recipe's own included
+    wall_s: float
+
+
+def search_layouts(
+    base: Simulation, *, gpus: list[GpuSpec], options: SimulationOptions, max_rounds: int = 4
+) -> SearchResult:
+    """The hill climb of the module docstring from the recipe's own layout (``base``, depth scaled)."""
+    started = time.perf_counter()
+    world = base.layout.world_size
+    original = base.recipe
+    best = Candidate("the recipe", original, own=True, report=PlanReport.build(base, gpus))
+    seen = {tuple(_value(original, key) for key in SEARCHED_KEYS)}
+    moves: list[Candidate] = []
+    tried = 1
+    for _ in range(max_rounds):
+        found: Candidate | None = None
+        for candidate in neighbours(best.recipe, search=True)[1:]:
+            key = tuple(_value(candidate.recipe, k) for k in SEARCHED_KEYS)
+            if key in seen:
+                continue
+            seen.add(key)
+            tried += 1
+            _evaluate(candidate, world=world, gpus=gpus, options=options)
+            reference = found or best
+            if _fits(candidate) and (not _fits(reference) or _step(candidate) < _step(reference)):
+                found = candidate
+        if found is None:
+            break
+        best = found
+        moves.append(found)
+    return SearchResult(best=best, moves=moves, tried=tried, wall_s=time.perf_counter() - started)
+
+
+def run_search(base: Simulation, *, gpus: list[GpuSpec], options: SimulationOptions, max_rounds: int = 4) -> int:
+    """Print the search's rounds, the layout it ends on and the overrides that run it."""
+    world = base.layout.world_size
+    print(f"search | {base.recipe.name} on {world} x {gpus[0].name}, from the recipe (depth scaled)")
+    result = search_layouts(base, gpus=gpus, options=options, max_rounds=max_rounds)
+    for number, move in enumerate(result.moves, 1):
+        e, f = move.report.estimates[0], move.report.fits[0]  # type: ignore[union-attr]
+        print(f"search | round {number}: {move.label:<34} step {seconds(e.step_s):>10}  peak {size(f.peak_bytes)}")
+    best = result.best
+    if not _fits(best):
+        print(f"search | no layout that fits {gpus[0].name} found ({result.tried} dry-run, {result.wall_s:.0f} s)")
+        return 1
+    e, f = best.report.estimates[0], best.report.fits[0]  # type: ignore[union-attr]
+    tokens = base.tokens_per_step / e.step_s / world
+    line = " ".join(overrides(base.recipe, best.recipe)) or "(the recipe as it is)"
+    print(
+        f"search | best: step {seconds(e.step_s)}, {tokens:,.0f} tokens/s per GPU, MFU {e.mfu:.1%}, peak "
+        f"{size(f.peak_bytes)} ({result.tried} layouts dry-run, {result.wall_s:.0f} s)"
+    )
+    print(f"search | overrides: {line}")
     return 0

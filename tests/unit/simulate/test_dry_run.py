@@ -177,3 +177,48 @@ def test_a_flagship_plans_through_the_cli_depth_scaled(tmp_path: Path, capsys: p
     host = report["memory"]["host_bytes_per_rank"]
     assert host["optimizer states"] > 90 * 2**30 and host["parameters"] > 45 * 2**30
     assert report["estimates"][0]["host_step_s"] > 0
+
+
+def test_the_sweep_ranks_the_recipes_neighbours_through_the_cli(capsys: pytest.CaptureFixture) -> None:
+    assert cli(["plan", TINY, "--world-size", "2", "--gpu", "h100-80gb", "--sweep"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sweep | ")]
+    ranked = [line for line in lines if line[8:11].strip().rstrip(".").isdigit()]
+    assert len(ranked) > 3 and any("<- the recipe" in line for line in lines)
+    steps = [float(line.split(" step ")[1].split()[0]) for line in ranked if line.split(" step ")[1].split()[1] == "us"]
+    assert steps and steps == sorted(steps)
+
+
+def test_search_overrides_name_every_key_that_changed() -> None:
+    from nemo_ac.simulate.sweep import _with, overrides
+
+    recipe = load_recipe(TINY)
+    moved = _with(_with(recipe, ep=2, mb=4), reshard=False)
+    assert overrides(recipe, moved) == [
+        "parallel.ep=2",
+        "parallel.fsdp.reshard_after_forward=false",
+        "train.micro_batch_size=4",
+    ]
+    assert overrides(recipe, recipe) == []
+
+
+def test_one_search_round_moves_to_the_fastest_neighbour_that_fits(capsys: pytest.CaptureFixture) -> None:
+    """The search dry-runs each untried neighbour once and ends on the fastest one that fits (no slower than the
+    recipe's own layout), and the CLI prints the override line of that layout."""
+    from nemo_ac.simulate.gpus import GPUS
+    from nemo_ac.simulate.scaled import simulate_scaled
+    from nemo_ac.simulate.sweep import overrides, search_layouts
+
+    recipe = load_recipe(TINY)
+    options = SimulationOptions(world_size=2)
+    gpus = [GPUS["h100-80gb"]]
+    base = simulate_scaled(recipe, validate_recipe(recipe, world_size=2), options)
+    result = search_layouts(base, gpus=gpus, options=options, max_rounds=1)
+    assert result.tried > 5 and len(result.moves) <= 1
+    own = result.best if not result.moves else None
+    best = result.best.report.estimates[0].step_s
+    assert result.best.report.fits[0].fits
+    if own is None:  # it moved: to a faster layout, by one change
+        assert len(overrides(recipe, result.best.recipe)) >= 1
+    from nemo_ac.simulate.report import PlanReport
+
+    assert best <= PlanReport.build(base, gpus).estimates[0].step_s
