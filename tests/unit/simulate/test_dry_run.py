@@ -222,3 +222,20 @@ def test_one_search_round_moves_to_the_fastest_neighbour_that_fits(capsys: pytes
     from nemo_ac.simulate.report import PlanReport
 
     assert best <= PlanReport.build(base, gpus).estimates[0].step_s
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_depth_scaling_keeps_every_units_gathered_parameters_without_reshard(reshard: bool) -> None:
+    """Without reshard after forward each unit's gathered parameters live from its forward to its backward, so the
+    scaled peak must grow them with depth: at 6 layers the scaled and the full-depth peaks agree either way (counted
+    as one unit's, the no-reshard scaled peak fell short by 4 units' gathered parameters)."""
+    from nemo_ac.simulate.scaled import simulate_scaled
+
+    overrides = ["model.num_layers=6", f"parallel.fsdp.reshard_after_forward={str(reshard).lower()}"]
+    recipe = load_recipe(TINY, overrides)
+    layout = validate_recipe(recipe, world_size=2)
+    options = SimulationOptions(world_size=2)
+    full = simulate(recipe, layout, options).measurement.peak
+    scaled = simulate_scaled(recipe, layout, options).measurement.peak
+    assert scaled.terms.get("gathered parameters") == full.terms.get("gathered parameters")
+    assert scaled.peak_bytes == pytest.approx(full.peak_bytes, rel=0.02)
