@@ -178,7 +178,7 @@ def estimate_step(counts: StepCounts, *, gpu: GpuSpec, kernel_efficiency: float 
             overlapped += seconds
         else:
             exposed += seconds
-    return StepEstimate(
+    estimate = StepEstimate(
         gpu=gpu.name,
         compute_s=compute,
         compute_eager_s=eager,
@@ -186,7 +186,6 @@ def estimate_step(counts: StepCounts, *, gpu: GpuSpec, kernel_efficiency: float 
         comm_s=per_dim,
         overlapped_s=overlapped,
         exposed_s=exposed,
-        step_s=max(compute, overlapped, host_overlapped) + exposed + host_exposed + host_step,
         model_flops=counts.model_flops,
         executed_flops=counts.total_flops,
         peak_flops=gpu.bf16_flops,
@@ -195,6 +194,8 @@ def estimate_step(counts: StepCounts, *, gpu: GpuSpec, kernel_efficiency: float 
         host_exposed_s=host_exposed,
         host_step_s=host_step,
     )
+    estimate.step_s = estimate._step_with(compute)
+    return estimate
 
 
 def calibrated_kernel_efficiency(counts: StepCounts, *, gpu: GpuSpec, measured_step_s: float) -> float:

@@ -203,9 +203,10 @@ class CompiledRegions:
         written = 0
         for tensor in outputs:
             storage = tensor.untyped_storage()
-            if id(storage) in input_storages or self._pending_of(tensor) is not None:
-                if self._pending_of(tensor) is None:
-                    written += _nbytes(tensor)  # in place / out=: into memory that exists
+            if self._pending_of(tensor) is not None:
+                continue  # in place on a fused op's output: still in registers
+            if id(storage) in input_storages:
+                written += _nbytes(tensor)  # in place / out=: into memory that exists
                 continue
             self._pending[id(storage)] = _Pending(weakref.ref(storage), _nbytes(tensor), cost, instance)
         cost.compiled_bytes = (cost.compiled_bytes or 0) + read + written

@@ -105,9 +105,9 @@ def deepep_copies(
     own_node = node_of[rank_in_group]
     rows = ranks = nodes = 0
     for token in range(tokens):
-        dest = {(token * top_k + slot) % num_experts // local for slot in range(top_k)}
-        remote = [r for r in dest if r != rank_in_group]
-        rows += sum(1 for slot in range(top_k) if (token * top_k + slot) % num_experts // local != rank_in_group)
+        slots = [(token * top_k + slot) % num_experts // local for slot in range(top_k)]
+        remote = {r for r in slots if r != rank_in_group}
+        rows += sum(1 for r in slots if r != rank_in_group)
         ranks += len(remote)
         nodes += len({node_of[r] for r in remote} - {own_node})
     if rows == 0:

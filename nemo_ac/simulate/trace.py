@@ -19,7 +19,6 @@ peak marked; drawn with Pillow (the only image library nemo_ac's extras carry).
 from __future__ import annotations
 
 import bisect
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -135,13 +134,6 @@ def step_timeline(
         "otherData": {"estimate": True, "gpu": gpu.name, "end_s": end},
     }
     return trace, starts
-
-
-def write_trace(path: str | Path, counts: StepCounts, *, gpu: GpuSpec) -> float:
-    """Write the step's trace to ``path``; returns its end in seconds."""
-    trace, _ = step_timeline(counts, gpu=gpu)
-    Path(path).write_text(json.dumps(trace))
-    return float(trace["otherData"]["end_s"])
 
 
 # Memory plot: the report's terms grouped into the categories drawn, bottom to top.
