@@ -139,12 +139,29 @@ def _scaled(formula: Callable[..., int], fraction: float) -> Callable[..., int]:
     return lambda *args, **kwargs: int(formula(*args, **kwargs) * fraction)
 
 
+def _grouped_query(formula: Callable[..., int], *, query_at: int) -> Callable[..., int]:
+    """torch's CUDA SDPA formula for grouped-query calls (``enable_gqa``: fewer key / value heads, as transformers
+    calls SDPA on CUDA), which its ``sdpa_flop_count`` refuses (``query/key/value shapes are incompatible``, seen on
+    an H200): key and value counted with the query's heads, as the kernel computes them. ``query_at``: the query's
+    position (0 forward, 1 backward, after the output gradient)."""
+
+    def count(*args: Any, **kwargs: Any) -> int:
+        query, key, value = args[query_at : query_at + 3]
+        if key.shape[1] != query.shape[1]:
+            key = torch.empty(*key.shape[:1], query.shape[1], *key.shape[2:], device="meta")
+            value = torch.empty(*value.shape[:1], query.shape[1], *value.shape[2:], device="meta")
+            args = (*args[:query_at], query, key, value, *args[query_at + 3 :])
+        return formula(*args, **kwargs)
+
+    return count
+
+
 def flop_mapping(*, visible_fraction: float | None) -> dict[Any, Callable[..., int]]:
     mapping: dict[Any, Callable[..., int]] = {aten._grouped_mm: _grouped_mm_flop}
-    if visible_fraction is not None:  # CUDA kernels: torch's own formulas (dense), scaled to the visible pairs
-        for op in _CUDA_SDPA:
-            if op in flop_registry:
-                mapping[op] = _scaled(flop_registry[op], visible_fraction)
+    for op in _CUDA_SDPA:  # CUDA kernels: torch's own formulas (dense), scaled to the visible pairs where asked
+        if op in flop_registry:
+            formula = _grouped_query(flop_registry[op], query_at=1 if op.__name__.endswith("_backward") else 0)
+            mapping[op] = formula if visible_fraction is None else _scaled(formula, visible_fraction)
     if hasattr(torch.ops, "nemo_ac") and hasattr(torch.ops.nemo_ac, "grouped_mm"):
         mapping[torch.ops.nemo_ac.grouped_mm] = _grouped_mm_flop
         mapping[torch.ops.nemo_ac.grouped_mm_backward] = _grouped_mm_backward_flop
