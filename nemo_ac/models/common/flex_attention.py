@@ -8,7 +8,20 @@ only itself), so the three kernels are interchangeable.
 CUDA: the compiled (fused) kernel, forward and backward. CPU: torch 2.13 runs flex_attention's forward unfused in
 eager mode (it materializes the scores: a numerics check, not a kernel to train with) and its compiled CPU lowering
 supports neither training nor the log-sum-exp, so recipes validate ``flex`` against CUDA (``config.environment``)
-and the CPU tests compare the forward with the dense reference. Not run on a GPU yet.
+and the CPU tests compare the forward with the dense reference.
+
+Under a dispatch mode that makes Dynamo skip frames (torch's ``FlopCounterMode``, its memory trackers, nemo_ac's
+``simulate.counters.StepCounter``; SAC's modes do not), FlexAttention cannot run at all: the compiled kernel falls
+back to eager flex, which itself runs through ``torch.compile(fullgraph=True)`` and then fails. Seen on an H200
+(torch 2.11, ``benchmarks/gpu_check.sh``, ``nemo_ac.simulate.measure`` and the flagship layer benchmark)::
+
+    NotImplementedError: There was no rule registered for HigherOrderOperator flex_attention and mode
+    <nemo_ac.simulate.counters.StepCounter object at ...>
+    TypeError: no implementation found for 'torch.ops.higher_order.flex_attention' on types that implement
+    __torch_function__: [] nor in mode <torch._dynamo._trace_wrapped_higher_order_op.TransformGetItemToIndex ...>
+
+There the call runs as ``nemo_ac::packed_attention`` (the tiled op): the same mask, values and log-sum-exp, an op the
+counting modes see with its FLOP formula, and the kernel the dry run already counts for flex (``simulate.run``).
 """
 
 from __future__ import annotations
@@ -18,8 +31,9 @@ import warnings
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_in_any_mode_without_ignore_compile_internals
 
-from nemo_ac.models.common.packed_attention import UNBOUNDED
+from nemo_ac.models.common.packed_attention import UNBOUNDED, packed_attention
 
 
 @functools.cache
@@ -57,7 +71,13 @@ def flex_packed_attention(
     max_back: int = UNBOUNDED,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``packed_attention``'s contract on FlexAttention: q [B, Sq, h, d], k / v [B, Sk, hkv, d] ->
-    ``(out [B, Sq, h, d], lse [B, h, Sq])``, ``out`` in q's dtype and ``lse`` in fp32."""
+    ``(out [B, Sq, h, d], lse [B, h, Sq])``, ``out`` in q's dtype and ``lse`` in fp32. Under a dispatch mode
+    that stops Dynamo, the tiled op runs instead (module docstring)."""
+    if is_in_any_mode_without_ignore_compile_internals():
+        return packed_attention(
+            q, k, v, q_doc=q_doc, k_doc=k_doc, q_pos=q_pos, k_pos=k_pos, scale=scale, min_k_pos=min_k_pos,
+            max_back=max_back,
+        )  # fmt: skip
     flex_attention, create_block_mask, aux_request = _flex()
     b, sq, _, d = q.shape
     sk = k.shape[1]

@@ -307,6 +307,39 @@ def test_flex_forward_equals_the_reference_on_cpu(case):
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not flex_attention_available(), reason="this torch has no FlexAttention")
+def test_flex_under_counting_modes_runs_as_the_tiled_op_and_is_counted():
+    """Under a dispatch mode that stops Dynamo (torch's FlopCounterMode, nemo_ac's StepCounter) FlexAttention cannot
+    run (on an H200: ``no implementation found for 'torch.ops.higher_order.flex_attention'`` and ``no rule
+    registered for HigherOrderOperator flex_attention``): the tiled op stands in, with the same values, gradients and
+    FLOPs. Without the stand-in both modes raise here on CPU as they did on the GPU."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from nemo_ac.simulate.counters import StepCounter
+
+    docs = CASES[sorted(CASES)[0]]
+    pos = torch.arange(docs.shape[1])
+    ids = {"q_doc": docs, "k_doc": docs, "q_pos": pos, "k_pos": pos}
+
+    def run(op, mode, *, backward):
+        q, k, v = (t.detach().requires_grad_(backward) for t in ring_qkv(*docs.shape, dtype=torch.float32))
+        with mode:
+            out, lse = op(q, k, v, **ids)
+            if backward:
+                out.sum().backward()
+        return (out, lse, q.grad, k.grad, v.grad) if backward else (out, lse)
+
+    for make_mode, total in ((lambda: FlopCounterMode(display=False), lambda m: m.get_total_flops()),
+                             (StepCounter, lambda m: sum(m.counts.flops.values()))):  # fmt: skip
+        for backward in (False, True):  # the forward alone is what failed on the GPU (CPU flex has no backward)
+            flex_mode, tiled_mode = make_mode(), make_mode()
+            got = run(flex_packed_attention, flex_mode, backward=backward)
+            want = run(packed_attention, tiled_mode, backward=backward)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+            assert total(flex_mode) == total(tiled_mode) > 0
+
+
 def test_a_ring_block_with_nothing_visible_computes_nothing():
     """Keys that all lie after the queries (a ring step's block from a later chunk), or in other documents: no
     tile is computed (0 FLOPs), every row is empty (out 0, lse -inf) and merges with zero weight."""

@@ -32,8 +32,10 @@ ALLOWED: dict[str, str] = {
     "torch.ops._c10d_functional_autograd": "the autograd variants of the same collectives (same reason)",
     "torch.utils._pytree": "torch's pytree registry: register_dataclass is how torch.export and torch.compile are "
     "told about output dataclasses (documented in torch.export)",
+    "torch.utils._python_dispatch.is_in_any_mode_without_ignore_compile_internals": "the flag Dynamo itself reads to "
+    "skip frames under a dispatch mode: where it is set FlexAttention cannot run and the tiled op stands in",
     "torch.utils._python_dispatch.TorchDispatchMode": "the base class torch documents for __torch_dispatch__ modes "
-    "(FlopCounterMode and the memory trackers derive from it); nothing else from that module",
+    "(FlopCounterMode and the memory trackers derive from it)",
     "torch._grouped_mm": "the grouped GEMM op itself (torchtitan's MoE experts call it); no public alias exists",
     "torch.ops.aten._grouped_mm": "the same op's overload packet, to register its FLOP formula",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper": "checkpoint_wrapper / CheckpointWrapper / "
