@@ -84,23 +84,34 @@ def flex_packed_attention(
     scale = d**-0.5 if scale is None else scale
     qp, kp = q_pos.expand(b, sq), k_pos.expand(b, sk)
 
+    # The window's two ints change every micro batch; the mask reads them from a tensor, so no compiled flex
+    # (nor the compile inside eager flex) guards on their values: as ints in mask_mod's closure they recompiled
+    # flex once per micro batch on an H200 (``block_mask.mask_mod.__closure__[2].cell_contents == 76``), until the
+    # recompile limit made it eager.
+    window_bounds = torch.tensor((max_back, min_k_pos), dtype=torch.int64, device=q.device)
+
     def mask_mod(batch, head, qi, ki):
         back = qp[batch, qi] - kp[batch, ki]
         same = (q_doc[batch, qi] == k_doc[batch, ki]) & (k_doc[batch, ki] >= 0)
-        window = (back >= 0) & (back < max_back) & (kp[batch, ki] >= min_k_pos)
+        window = (back >= 0) & (back < window_bounds[0]) & (kp[batch, ki] >= window_bounds[1])
         return (same & window) | (back == 0)
 
     block_mask = create_block_mask(mask_mod, b, None, sq, sk, device=q.device)
     run = _compiled_flex() if q.is_cuda else flex_attention
     kwargs: dict[str, Any] = {"block_mask": block_mask, "scale": scale, "enable_gqa": q.shape[2] != k.shape[2]}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
         if aux_request is not None:
-            out, aux = run(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), return_aux=aux_request(lse=True), **kwargs
-            )
-            lse = aux.lse
-        else:  # releases before AuxRequest
-            out, lse = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), return_lse=True, **kwargs)
+            out, aux = run(qt, kt, vt, return_aux=aux_request(lse=True), **kwargs)
+            return out, aux.lse
+        return run(qt, kt, vt, return_lse=True, **kwargs)  # releases before AuxRequest
+
+    if torch.compiler.is_compiling():  # no eager-flex warning to silence, and catch_warnings graph-breaks Dynamo
+        out, lse = call()
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            out, lse = call()
     acc = torch.promote_types(q.dtype, torch.float32)
     return out.transpose(1, 2), lse.to(acc)

@@ -14,6 +14,7 @@ from nemo_ac.distributed.activation_checkpointing import make_selective_checkpoi
 from nemo_ac.models.common import packed_attention as tiled
 from nemo_ac.models.common.attention import (
     build_attention_inputs,
+    flex_packed_attention_op,
     packed_causal_attention,
     tiled_packed_attention,
 )
@@ -263,6 +264,31 @@ def test_one_compiled_graph_across_document_layouts(fresh_dynamo):
             out = compiled(q, k, v, attn)
             torch.testing.assert_close(out, packed_causal_attention(q, k, v, attn), rtol=1e-5, atol=1e-5)
             out.sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"] and not counters["recompiles"]
+
+
+@pytest.mark.skipif(not flex_attention_available(), reason="this torch has no FlexAttention")
+def test_flex_compiles_once_across_windows_eager_and_inside_a_compiled_block(fresh_dynamo):
+    """The window's ints (the longest document, ring CP's first key) change every micro batch. In flex's mask they
+    were closure ints: compiled flex guarded on them and recompiled per micro batch on an H200
+    (``block_mask.mask_mod.__closure__[2].cell_contents == 76``); eager flex's own compile did too (two graphs for
+    four windows here), and inside a compiled block ``warnings.catch_warnings`` graph-broke (fullgraph fails)."""
+    from nemo_ac.workarounds.dynamic_per_batch_ints import dynamic_source_patterns
+
+    q, k, v = (t.detach() for t in ring_qkv(2, 88, dtype=torch.float32))
+    layouts = ([30, 58], [10, 20, 58], [88], [5, 5, 78])
+    for lengths in layouts:  # eager: flex's own compile (backend eager) of its higher-order op
+        attn = build_attention_inputs(_row(lengths).expand(2, 88).contiguous())
+        torch.testing.assert_close(flex_packed_attention_op(q, k, v, attn), tiled_packed_attention(q, k, v, attn))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(flex_packed_attention_op, backend="eager", fullgraph=True)
+    with torch.compiler.config.patch(dynamic_sources=dynamic_source_patterns()):
+        for lengths in layouts:
+            attn = build_attention_inputs(_row(lengths).expand(2, 88).contiguous())
+            torch.testing.assert_close(compiled(q, k, v, attn), tiled_packed_attention(q, k, v, attn))
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"] and not counters["recompiles"]
 
