@@ -44,6 +44,7 @@ from nemo_ac.trainer.metric_backends import build_backends
 from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics, Throughput
 from nemo_ac.trainer.progress import echo
 from nemo_ac.trainer.stop import StopSignal, signal_name, standing_checkpoint
+from nemo_ac.workarounds.gates import unsupported_torch_note
 from nemo_ac.workarounds.rendezvous_shared_store import elastic_restart_hazard
 
 
@@ -109,6 +110,8 @@ def run(
             f"params {sum(p.numel() for p in model.parameters()):,} ({setup.weights})"
             + "".join(f" | frozen {group} {count:,}" for group, count in setup.frozen.items() if count)
         )
+        if (torch_note := unsupported_torch_note()) is not None:
+            echo(torch_note)
         echo("\n".join(plan.summary_lines()))  # the kernels line first
         echo(throughput_line(throughput))
     checkpointer = Checkpointer(

@@ -87,3 +87,22 @@ def gate(name: str) -> TorchGate:
 def gate_active(name: str, *, torch_version: str | None = None) -> bool:
     """Whether nemo_ac switches workaround ``name`` on for ``torch_version`` (default: the running torch)."""
     return gate(name).active(torch_version)
+
+
+# The torch releases nemo_ac supports (pyproject's ``torch>=2.12,<2.16``): the gates above are verified on these only.
+SUPPORTED_RELEASES: tuple[Release, Release] = ((2, 12), (2, 16))
+
+
+def unsupported_torch_note(torch_version: str | None = None) -> str | None:
+    """One line for a run's header where the running torch lies outside ``SUPPORTED_RELEASES`` (a source checkout
+    on a machine's own torch, which pip's pin never saw), else None. A warning, not a refusal: the run may work, but
+    which torch failures it meets there is unknown."""
+    release = torch_version_release(torch_version)
+    low, high = SUPPORTED_RELEASES
+    if low <= release < high:
+        return None
+    text = str(torch.__version__ if torch_version is None else torch_version)
+    return (
+        f"torch | {text} is outside nemo_ac's supported {low[0]}.{low[1]} - {high[0]}.{high[1] - 1}: the workarounds "
+        "are verified there only (nemo-ac doctor probes this torch; pip install 'torch>=2.12,<2.16')"
+    )

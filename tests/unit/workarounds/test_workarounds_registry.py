@@ -53,6 +53,18 @@ def test_one_gate_table_and_every_gated_row_has_its_gate():
         workaround("no_such_failure")
 
 
+def test_a_torch_outside_the_supported_releases_gets_one_header_line():
+    """A source checkout on a machine's own torch (an H200 image held torch 2.11.0+cu130) is told, not refused;
+    pre-release and local builds of a supported release are not (2.13.0a0 counts as 2.13)."""
+    from nemo_ac.workarounds.gates import unsupported_torch_note
+
+    for outside in ("2.11.0+cu130", "2.16.0.dev20270101"):
+        note = unsupported_torch_note(outside)
+        assert note is not None and outside in note and "2.12 - 2.15" in note
+    for inside in ("2.12.1", "2.13.0a0+8145d630e8", "2.14.1+cu128", "2.15.0"):
+        assert unsupported_torch_note(inside) is None
+
+
 def test_doctor_and_compat_read_the_registry():
     for probe in PROBES:
         row = workaround(probe.fix)
