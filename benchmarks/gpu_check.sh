@@ -13,7 +13,7 @@
 # 5. the mixer kernels (fla, mamba-ssm) against the torch ops (tests/unit/models/test_mixer_kernels_cuda.py; skips say why),
 #    and AdamW with its states in pinned host memory against fused AdamW on the device (bitwise);
 #    and, where installed, the tiny Qwen3.6 / Nemotron recipes trained on them (steps 1 keep the torch ops);
-# 6. nemo-ac plan against a measured step on this GPU: a mid-size MoE (1.3B parameters, 4k rows, bf16) measured by
+# 6. nemo-ac plan against a measured step on this GPU: a mid-size MoE (2.6B parameters, 4k rows, bf16) measured by
 #    nemo_ac.simulate.measure (tracked peak, torch.cuda.max_memory_allocated, 3 timed steps), then its dry run
 #    --against it: the memory prediction and the step-time estimate checked on a real GPU; the same with
 #    train.optimizer_offload=full (FSDP2's CPUOffloadPolicy, pinned host shards, nccl + gloo): the device peak
