@@ -260,7 +260,12 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
             host="meta" if device_type == "cuda" else "cpu",
         )
         scheduler = build_scheduler(optimizer, sim_recipe.train, extensions=sim_recipe.extensions.allow)
-        if sim_recipe.train.optimizer is None:
+        if sim_recipe.train.optimizer is None and sim_recipe.train.optimizer_state_dtype == "bfloat16":
+            assumptions.append(
+                "built-in AdamW with bf16 moments (stochastic rounding), one parameter at a time: fp32 temporaries "
+                "of one parameter's moments at the step"
+            )
+        elif sim_recipe.train.optimizer is None:
             assumptions.append(
                 f"built-in AdamW {adamw_implementation(device_type)}, the kernel it runs on {device_type} "
                 "(fused: no foreach temporaries at the step)"

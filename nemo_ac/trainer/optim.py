@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from nemo_ac.config.schema import TrainConfig
 from nemo_ac.config.targets import instantiate
+from nemo_ac.trainer.adamw_bf16_states import AdamWBF16States
 from nemo_ac.trainer.host_optimizer_states import AdamWHostStates
 
 
@@ -47,6 +48,11 @@ def build_optimizer(
     groups = [group for group in groups if group["params"]]
     if config.optimizer is not None:
         return instantiate(config.optimizer, groups, key="train.optimizer", allow=extensions, lr=config.lr)
+    if config.optimizer_state_dtype == "bfloat16":
+        return AdamWBF16States(
+            groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay,
+            seed=config.seed,
+        )  # fmt: skip
     fused = adamw_implementation(device_type) == "fused"
     if config.optimizer_offload == "states":
         return AdamWHostStates(groups, host=host, fused=fused, lr=config.lr, betas=tuple(config.betas), eps=config.eps)
