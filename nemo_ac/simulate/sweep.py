@@ -57,6 +57,9 @@ def _with(recipe: RecipeConfig, **changes: object) -> RecipeConfig:
         out = dataclasses.replace(out, train=dataclasses.replace(out.train, optimizer_offload=changes["offload"]))
     if "chunk" in changes:
         out = dataclasses.replace(out, train=dataclasses.replace(out.train, loss_chunk_tokens=changes["chunk"]))
+    if "state_dtype" in changes:
+        train = dataclasses.replace(out.train, optimizer_state_dtype=changes["state_dtype"])
+        out = dataclasses.replace(out, train=train)
     return out
 
 
@@ -71,6 +74,7 @@ SEARCHED_KEYS = (
     "activation_checkpointing.offload",
     "train.micro_batch_size",
     "train.optimizer_offload",
+    "train.optimizer_state_dtype",
     "train.loss_chunk_tokens",
 )
 
@@ -116,10 +120,17 @@ def neighbours(recipe: RecipeConfig, *, search: bool = False) -> list[Candidate]
         add(f"mb {mb // 2}", mb=mb // 2)
     add(f"mb {mb * 2}", mb=mb * 2)
     # The memory levers (docs/planning.md, "Memory levers"): every other optimizer offload (states only for the
-    # built-in AdamW), the loss chunked or not.
+    # built-in AdamW with fp32 moments), the moments' other dtype (built-in AdamW; bf16 leaves the states offload),
+    # the loss chunked or not.
+    built_in, bf16_moments = recipe.train.optimizer is None, recipe.train.optimizer_state_dtype == "bfloat16"
     for other in ("none", "states", "full"):
-        if other != recipe.train.optimizer_offload and (other != "states" or recipe.train.optimizer is None):
+        if other != recipe.train.optimizer_offload and (other != "states" or (built_in and not bf16_moments)):
             add(f"optimizer_offload {other}", offload=other)
+    if built_in:
+        dtype = "float32" if bf16_moments else "bfloat16"
+        leave_states = {"offload": "none"} if dtype == "bfloat16" and recipe.train.optimizer_offload == "states" else {}
+        add(f"optimizer_state_dtype {dtype}" + (" (offload none)" if leave_states else ""), state_dtype=dtype,
+            **leave_states)  # fmt: skip
     chunk = 0 if recipe.train.loss_chunk_tokens else 1024
     add(f"loss_chunk_tokens {chunk}", chunk=chunk)
     if search:

@@ -114,6 +114,12 @@ def test_the_sweep_tries_each_memory_lever_the_other_way() -> None:
     assert tiny["optimizer_offload full"].optimizer_offload == "full"
     assert candidates["optimizer_offload full"].optimizer_offload == "full"
     assert tiny["loss_chunk_tokens 1024"].loss_chunk_tokens == 1024
+    assert tiny["optimizer_state_dtype bfloat16"].optimizer_state_dtype == "bfloat16"
+    # Qwen3.6 keeps fp32 moments on the host (offload states): bf16 moments leave that offload, which keeps fp32 ones.
+    bf16 = candidates["optimizer_state_dtype bfloat16 (offload none)"]
+    assert (bf16.optimizer_state_dtype, bf16.optimizer_offload) == ("bfloat16", "none")
+    back = {c.label for c in neighbours(load_recipe(TINY, ["train.optimizer_state_dtype=bfloat16"]))}
+    assert "optimizer_state_dtype float32" in back and "optimizer_offload states" not in back
 
 
 def test_routing_assumption_counts() -> None:
