@@ -89,10 +89,20 @@ class AdamWBF16States(torch.optim.Optimizer):
                 self._update(param, group, index)
         return loss
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict`` casts every floating state to its parameter's dtype (fp32 here); the moments
+        go back to ``state_dtype``, exactly (they were saved in it), or a resumed run would hold fp32 moments from
+        then on, twice the memory, silently."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for name in MOMENTS:
+                if name in state and state[name].dtype != self.state_dtype:
+                    state[name] = state[name].to(self.state_dtype)
+
     def _update(self, param: torch.Tensor, group: dict[str, Any], index: int) -> None:
         state = self.state[param]
         if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")  # as torch's non-fused AdamW
             for name in MOMENTS:
                 state[name] = torch.zeros_like(param, dtype=self.state_dtype, memory_format=torch.preserve_format)
         state["step"] += 1

@@ -73,6 +73,7 @@ def test_bf16_moments_halve_the_state_and_a_round_trip_continues_bitwise() -> No
     resumed = [torch.nn.Parameter(p.clone()) for p in saved_params]
     restored = AdamWBF16States(_groups(resumed), lr=1e-2, seed=7)
     restored.load_state_dict(saved)
+    assert {state["exp_avg_sq"].dtype for state in restored.state.values()} == {torch.bfloat16}  # torch casts to fp32
     _train(restored, resumed, range(6, 12))
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
 
