@@ -524,3 +524,26 @@ def emulated_ring(
 def ring_reference(q, k, v, docs) -> torch.Tensor:
     attn = AttentionInputs(document_ids=docs, cu_seqlens=torch.zeros(1), max_seqlen=0)
     return packed_causal_attention(q, k, v, attn)
+
+
+# AdamW variants against torch's AdamW (tests/unit/trainer): a few parameters of odd shapes in two groups, one with
+# weight decay, trained on seeded gradients.
+OPTIMIZER_TEST_SHAPES = [(30, 20), (20,), (7, 3, 5), (64, 8)]
+
+
+def optimizer_test_params() -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in OPTIMIZER_TEST_SHAPES]
+
+
+def optimizer_test_groups(params: list[torch.nn.Parameter]) -> list[dict]:
+    return [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}]
+
+
+def train_optimizer(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: range) -> None:
+    """Seeded gradients per step; a parameter without a gradient on some steps (an optimizer must skip it)."""
+    for step in steps:
+        generator = torch.Generator().manual_seed(step)
+        for index, param in enumerate(params):
+            param.grad = None if (step + index) % 5 == 0 else torch.randn(param.shape, generator=generator)
+        optimizer.step()

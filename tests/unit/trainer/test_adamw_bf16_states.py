@@ -13,36 +13,19 @@ import torch
 from nemo_ac.config import ConfigError, load_recipe, validate_recipe
 from nemo_ac.simulate.run import SimulationOptions, simulate
 from nemo_ac.trainer.adamw_bf16_states import AdamWBF16States, stochastic_round_to_bf16
+from tests.factories import optimizer_test_groups, optimizer_test_params, train_optimizer
 
 ROOT = Path(__file__).resolve().parents[3]
-SHAPES = [(30, 20), (20,), (7, 3, 5), (64, 8)]
-
-
-def _params() -> list[torch.nn.Parameter]:
-    generator = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
-
-
-def _groups(params: list[torch.nn.Parameter]) -> list[dict]:
-    return [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}]
-
-
-def _train(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: range) -> None:
-    for step in steps:
-        generator = torch.Generator().manual_seed(step)
-        for index, param in enumerate(params):
-            param.grad = None if (step + index) % 5 == 0 else torch.randn(param.shape, generator=generator)
-        optimizer.step()
 
 
 def test_with_fp32_moments_every_update_is_bitwise_torchs_adamw() -> None:
     """The update is torch's single-tensor AdamW line for line: with fp32 moments nothing differs, which leaves
     the bf16 policy's only difference in the rounding of the two stored moments."""
-    ours, theirs = _params(), _params()
-    mine = AdamWBF16States(_groups(ours), lr=1e-2, betas=(0.9, 0.95), state_dtype=torch.float32)
-    torch_adamw = torch.optim.AdamW(_groups(theirs), lr=1e-2, betas=(0.9, 0.95), foreach=False)
-    _train(mine, ours, range(12))
-    _train(torch_adamw, theirs, range(12))
+    ours, theirs = optimizer_test_params(), optimizer_test_params()
+    mine = AdamWBF16States(optimizer_test_groups(ours), lr=1e-2, betas=(0.9, 0.95), state_dtype=torch.float32)
+    torch_adamw = torch.optim.AdamW(optimizer_test_groups(theirs), lr=1e-2, betas=(0.9, 0.95), foreach=False)
+    train_optimizer(mine, ours, range(12))
+    train_optimizer(torch_adamw, theirs, range(12))
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(mine.state[a]["exp_avg_sq"], torch_adamw.state[b]["exp_avg_sq"])
@@ -63,18 +46,18 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_bf16_neighbour() -> None
 
 def test_bf16_moments_halve_the_state_and_a_round_trip_continues_bitwise() -> None:
     """The noise is seeded by (seed, parameter, step): a resumed optimizer draws what the uninterrupted one drew."""
-    straight = _params()
-    optimizer = AdamWBF16States(_groups(straight), lr=1e-2, seed=7)
-    _train(optimizer, straight, range(6))
+    straight = optimizer_test_params()
+    optimizer = AdamWBF16States(optimizer_test_groups(straight), lr=1e-2, seed=7)
+    train_optimizer(optimizer, straight, range(6))
     assert {state["exp_avg"].dtype for state in optimizer.state.values()} == {torch.bfloat16}
     saved_params = [p.detach().clone() for p in straight]
     saved = copy.deepcopy(optimizer.state_dict())
-    _train(optimizer, straight, range(6, 12))
+    train_optimizer(optimizer, straight, range(6, 12))
     resumed = [torch.nn.Parameter(p.clone()) for p in saved_params]
-    restored = AdamWBF16States(_groups(resumed), lr=1e-2, seed=7)
+    restored = AdamWBF16States(optimizer_test_groups(resumed), lr=1e-2, seed=7)
     restored.load_state_dict(saved)
     assert {state["exp_avg_sq"].dtype for state in restored.state.values()} == {torch.bfloat16}  # torch casts to fp32
-    _train(restored, resumed, range(6, 12))
+    train_optimizer(restored, resumed, range(6, 12))
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
 
 

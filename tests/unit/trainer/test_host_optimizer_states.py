@@ -15,38 +15,20 @@ from nemo_ac.simulate.gpus import GPUS
 from nemo_ac.simulate.report import PlanReport
 from nemo_ac.simulate.run import SimulationOptions, simulate
 from nemo_ac.trainer.host_optimizer_states import AdamWHostStates
+from tests.factories import optimizer_test_groups, optimizer_test_params, train_optimizer
 
 ROOT = Path(__file__).resolve().parents[3]
-SHAPES = [(30, 20), (20,), (7, 3, 5), (64, 8)]
-
-
-def _params() -> list[torch.nn.Parameter]:
-    generator = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
-
-
-def _groups(params: list[torch.nn.Parameter]) -> list[dict]:
-    return [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}]
-
-
-def _train(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: range) -> None:
-    for step in steps:
-        generator = torch.Generator().manual_seed(step)
-        for index, param in enumerate(params):
-            # A parameter without a gradient on one step: AdamW skips it, and so must the buckets.
-            param.grad = None if (step + index) % 5 == 0 else torch.randn(param.shape, generator=generator)
-        optimizer.step()
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 @pytest.mark.parametrize("bucket_bytes", [1, 3000, 2**30], ids=["per_tensor", "small", "one_bucket"])
 def test_every_update_is_bitwise_torchs_adamw(fused: bool, bucket_bytes: int) -> None:
-    plain, offloaded = _params(), _params()
+    plain, offloaded = optimizer_test_params(), optimizer_test_params()
     options = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
-    reference = torch.optim.AdamW(_groups(plain), foreach=not fused, fused=fused or None, **options)
-    optimizer = AdamWHostStates(_groups(offloaded), fused=fused, bucket_bytes=bucket_bytes, **options)
-    _train(reference, plain, range(40))
-    _train(optimizer, offloaded, range(40))
+    reference = torch.optim.AdamW(optimizer_test_groups(plain), foreach=not fused, fused=fused or None, **options)
+    optimizer = AdamWHostStates(optimizer_test_groups(offloaded), fused=fused, bucket_bytes=bucket_bytes, **options)
+    train_optimizer(reference, plain, range(40))
+    train_optimizer(optimizer, offloaded, range(40))
     for a, b in zip(plain, offloaded, strict=True):
         assert torch.equal(a, b)
         for name in ("exp_avg", "exp_avg_sq", "step"):
@@ -57,10 +39,10 @@ def test_every_update_is_bitwise_torchs_adamw(fused: bool, bucket_bytes: int) ->
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; runs in benchmarks/gpu_check.sh")
 def test_on_cuda_pinned_states_and_async_copies_are_bitwise_the_fused_adamw() -> None:
     """The GPU path: fused AdamW on the device, the moments in pinned host memory, copies non-blocking."""
-    plain = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
-    offloaded = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
-    reference = torch.optim.AdamW(_groups(plain), lr=1e-2, fused=True)
-    optimizer = AdamWHostStates(_groups(offloaded), lr=1e-2, fused=True, bucket_bytes=3000)
+    plain = [torch.nn.Parameter(p.detach().cuda()) for p in optimizer_test_params()]
+    offloaded = [torch.nn.Parameter(p.detach().cuda()) for p in optimizer_test_params()]
+    reference = torch.optim.AdamW(optimizer_test_groups(plain), lr=1e-2, fused=True)
+    optimizer = AdamWHostStates(optimizer_test_groups(offloaded), lr=1e-2, fused=True, bucket_bytes=3000)
     for step in range(20):
         for a, b in zip(plain, offloaded, strict=True):
             grad = torch.randn(a.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
@@ -77,22 +59,22 @@ def test_on_cuda_pinned_states_and_async_copies_are_bitwise_the_fused_adamw() ->
 def test_a_state_dict_round_trip_keeps_the_states_on_the_host_and_continues_bitwise() -> None:
     """torch's ``load_state_dict`` puts states on their parameter's device; the moments must go back to the host
     (the "meta" host here stands in for host memory, so a state left on the parameter's device shows)."""
-    straight = _params()
-    optimizer = AdamWHostStates(_groups(straight), lr=1e-2)
-    _train(optimizer, straight, range(6))
+    straight = optimizer_test_params()
+    optimizer = AdamWHostStates(optimizer_test_groups(straight), lr=1e-2)
+    train_optimizer(optimizer, straight, range(6))
     saved_params = [p.detach().clone() for p in straight]
     saved = copy.deepcopy(optimizer.state_dict())  # state_dict() holds the live tensors
-    _train(optimizer, straight, range(6, 10))
+    train_optimizer(optimizer, straight, range(6, 10))
 
     resumed = [torch.nn.Parameter(p.clone()) for p in saved_params]
-    restored = AdamWHostStates(_groups(resumed), lr=1e-2, host="meta")
+    restored = AdamWHostStates(optimizer_test_groups(resumed), lr=1e-2, host="meta")
     restored.load_state_dict(saved)
     assert {state["exp_avg"].device.type for state in restored.state.values()} == {"meta"}
-    plain = torch.optim.AdamW(_groups([torch.nn.Parameter(p.clone()) for p in saved_params]), lr=1e-2)
+    plain = torch.optim.AdamW(optimizer_test_groups([torch.nn.Parameter(p.clone()) for p in saved_params]), lr=1e-2)
     plain.load_state_dict(saved)  # the same keys and tensors: a plain AdamW takes the checkpoint too
-    restored_on_cpu = AdamWHostStates(_groups(resumed), lr=1e-2)
+    restored_on_cpu = AdamWHostStates(optimizer_test_groups(resumed), lr=1e-2)
     restored_on_cpu.load_state_dict(saved)
-    _train(restored_on_cpu, resumed, range(6, 10))
+    train_optimizer(restored_on_cpu, resumed, range(6, 10))
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
 
 
