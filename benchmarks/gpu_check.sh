@@ -119,14 +119,13 @@ step_bg tiny_nemotron 200 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac
   logging.progress_bar=never
 # The same three with SDPA instead of the auto-chosen FlexAttention: on one H200 with torch 2.11 compiled flex failed
 # in all three (benchmarks/results/gpu_check_h200.md) while SDPA trained; these rows keep the rest of the stack checked.
-for tiny in qwen3_moe qwen3_6_medpix nemotron; do
-  recipe=recipes/tiny/${tiny}_tiny.yaml
-  [[ $tiny == nemotron ]] && recipe=recipes/tiny/nemotron_super_v3_tiny.yaml
-  extra=()
-  [[ $tiny != qwen3_moe ]] && extra=(parallel.ep=1)
-  [[ $tiny == qwen3_6_medpix ]] && extra+=(parallel.cp=1)
-  step_bg "tiny_${tiny}_sdpa" 200 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.train "$recipe" "${GPU[@]}" \
-    "${extra[@]}" backend.attention=sdpa logging.run_dir="$LOGS/${tiny}_sdpa" logging.progress_bar=never
+# (name, recipe, the one-GPU layout overrides of the steps above)
+for row in "qwen3_moe qwen3_moe_tiny" "qwen3_6_medpix qwen3_6_medpix_tiny parallel.ep=1 parallel.cp=1" \
+  "nemotron nemotron_super_v3_tiny parallel.ep=1"; do
+  read -r name recipe layout <<<"$row"
+  step_bg "tiny_${name}_sdpa" 200 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.train \
+    "recipes/tiny/$recipe.yaml" "${GPU[@]}" $layout backend.attention=sdpa logging.run_dir="$LOGS/${name}_sdpa" \
+    logging.progress_bar=never
 done
 step_bg attention_kernels_cuda 200 "$PY" benchmarks/attention_kernels_cuda.py
 step_bg mixer_kernels_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/models/test_mixer_kernels_cuda.py
