@@ -547,3 +547,14 @@ def train_optimizer(optimizer: torch.optim.Optimizer, params: list[torch.nn.Para
         for index, param in enumerate(params):
             param.grad = None if (step + index) % 5 == 0 else torch.randn(param.shape, generator=generator)
         optimizer.step()
+
+
+# The recipes the dry-run tests plan (tests/unit/simulate): the tiny Qwen3 MoE and each flagship at the world size
+# it ships for.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY_PLAN_RECIPE = str(REPO_ROOT / "recipes/tiny/qwen3_moe_tiny.yaml")
+FLAGSHIPS_AT_WORLD_SIZE = {
+    "qwen3_6": (REPO_ROOT / "recipes/qwen3_6_35b_medpix_ep8cp2_4k.yaml", 8),
+    "nemotron": (REPO_ROOT / "recipes/nemotron_super_v3_te_deepep.yaml", 64),
+    "glm": (REPO_ROOT / "recipes/glm_4_5_air_cp4_ulysses.yaml", 8),
+}

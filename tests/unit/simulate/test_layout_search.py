@@ -1,0 +1,77 @@
+"""``nemo-ac plan --sweep`` and ``--search`` on the tiny recipe: the neighbours each lever gives, their ranking through
+the CLI, and one round of the search's hill climb."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_ac.cli import main as cli
+from nemo_ac.config import load_recipe, validate_recipe
+from nemo_ac.simulate.run import SimulationOptions
+from tests.factories import FLAGSHIPS_AT_WORLD_SIZE as FLAGSHIPS
+from tests.factories import TINY_PLAN_RECIPE as TINY
+
+
+def test_the_sweep_tries_each_memory_lever_the_other_way() -> None:
+    from nemo_ac.simulate.sweep import neighbours
+
+    path, _ = FLAGSHIPS["qwen3_6"]
+    candidates = {c.label: c.recipe.train for c in neighbours(load_recipe(path))}
+    assert candidates["optimizer_offload none"].optimizer_offload == "none"
+    assert candidates["loss_chunk_tokens 0"].loss_chunk_tokens == 0
+    tiny = {c.label: c.recipe.train for c in neighbours(load_recipe(TINY))}
+    assert tiny["optimizer_offload states"].optimizer_offload == "states"
+    assert tiny["optimizer_offload full"].optimizer_offload == "full"
+    assert candidates["optimizer_offload full"].optimizer_offload == "full"
+    assert tiny["loss_chunk_tokens 1024"].loss_chunk_tokens == 1024
+    assert tiny["optimizer_state_dtype bfloat16"].optimizer_state_dtype == "bfloat16"
+    # Qwen3.6 keeps fp32 moments on the host (offload states): bf16 moments leave that offload, which keeps fp32 ones.
+    bf16 = candidates["optimizer_state_dtype bfloat16 (offload none)"]
+    assert (bf16.optimizer_state_dtype, bf16.optimizer_offload) == ("bfloat16", "none")
+    back = {c.label for c in neighbours(load_recipe(TINY, ["train.optimizer_state_dtype=bfloat16"]))}
+    assert "optimizer_state_dtype float32" in back and "optimizer_offload states" not in back
+
+
+def test_the_sweep_ranks_the_recipes_neighbours_through_the_cli(capsys: pytest.CaptureFixture) -> None:
+    assert cli(["plan", TINY, "--world-size", "2", "--gpu", "h100-80gb", "--sweep"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sweep | ")]
+    ranked = [line for line in lines if line[8:11].strip().rstrip(".").isdigit()]
+    assert len(ranked) > 3 and any("<- the recipe" in line for line in lines)
+    steps = [float(line.split(" step ")[1].split()[0]) for line in ranked if line.split(" step ")[1].split()[1] == "us"]
+    assert steps and steps == sorted(steps)
+
+
+def test_search_overrides_name_every_key_that_changed() -> None:
+    from nemo_ac.simulate.sweep import _with, overrides
+
+    recipe = load_recipe(TINY)
+    moved = _with(_with(recipe, ep=2, mb=4), reshard=False)
+    assert overrides(recipe, moved) == [
+        "parallel.ep=2",
+        "parallel.fsdp.reshard_after_forward=false",
+        "train.micro_batch_size=4",
+    ]
+    assert overrides(recipe, recipe) == []
+
+
+def test_one_search_round_moves_to_the_fastest_neighbour_that_fits(capsys: pytest.CaptureFixture) -> None:
+    """The search dry-runs each untried neighbour once and ends on the fastest one that fits (no slower than the
+    recipe's own layout), and the CLI prints the override line of that layout."""
+    from nemo_ac.simulate.gpus import GPUS
+    from nemo_ac.simulate.scaled import simulate_scaled
+    from nemo_ac.simulate.sweep import overrides, search_layouts
+
+    recipe = load_recipe(TINY)
+    options = SimulationOptions(world_size=2)
+    gpus = [GPUS["h100-80gb"]]
+    base = simulate_scaled(recipe, validate_recipe(recipe, world_size=2), options)
+    result = search_layouts(base, gpus=gpus, options=options, max_rounds=1)
+    assert result.tried > 5 and len(result.moves) <= 1
+    own = result.best if not result.moves else None
+    best = result.best.report.estimates[0].step_s
+    assert result.best.report.fits[0].fits
+    if own is None:  # it moved: to a faster layout, by one change
+        assert len(overrides(recipe, result.best.recipe)) >= 1
+    from nemo_ac.simulate.report import PlanReport
+
+    assert best <= PlanReport.build(base, gpus).estimates[0].step_s
