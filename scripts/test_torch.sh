@@ -34,8 +34,8 @@ fi
 if [[ ! -f "$VENV/.installed-$TORCH_VERSION" ]]; then
   pins=$(mktemp)
   grep -v '^torch==' constraints.txt > "$pins"
-  "$VENV/bin/python" -m pip install --disable-pip-version-check -q "torch==$TORCH_VERSION"
-  "$VENV/bin/python" -m pip install --disable-pip-version-check -q -c "$pins" "torch==$TORCH_VERSION" -e '.[dev]'
+  "$VENV/bin/python" -m pip install --disable-pip-version-check --no-compile -q "torch==$TORCH_VERSION"
+  "$VENV/bin/python" -m pip install --disable-pip-version-check --no-compile -q -c "$pins" "torch==$TORCH_VERSION" -e '.[dev]'
   rm -f "$pins"
   touch "$VENV/.installed-$TORCH_VERSION"
 fi
