@@ -15,7 +15,8 @@
 #    and AdamW with its states in pinned host memory against fused AdamW on the device (bitwise);
 #    and, where installed, the tiny Qwen3.6 / Nemotron recipes trained on them (steps 1 keep the torch ops);
 # 6. nemo-ac plan against a measured step on this GPU: a mid-size MoE (2.6B parameters, 4k rows, bf16) measured by
-#    nemo_ac.simulate.measure (tracked peak, torch.cuda.max_memory_allocated, 3 timed steps), then its dry run
+#    nemo_ac.simulate.measure (tracked peak, torch.cuda.max_memory_allocated, 3 timed steps, one more under torch's
+#    profiler: its top kernels by device time, what dominates where the estimate misses), then its dry run
 #    --against it: the memory prediction and the step-time estimate checked on a real GPU; the same with
 #    train.optimizer_offload=full (FSDP2's CPUOffloadPolicy, pinned host shards, nccl + gloo): the device peak
 #    without the host shards, the host bytes and the host-side time checked where host and device differ.
@@ -151,7 +152,8 @@ MID=(dist.backend=nccl dist.device=cuda parallel.fsdp.param_dtype=bfloat16 model
   model.vocab_size=32000 model.moe.num_experts=64 model.moe.num_experts_per_tok=8 model.moe.moe_intermediate_size=768
   data.seq_len=4096 data.max_doc_tokens=400 train.micro_batch_size=1 train.global_batch_size=2)
 step measure_mid_moe 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.simulate.measure \
-  recipes/tiny/qwen3_moe_tiny.yaml --out "$LOGS/measure_mid" --timed-steps 3 "${MID[@]}"
+  recipes/tiny/qwen3_moe_tiny.yaml --out "$LOGS/measure_mid" --timed-steps 3 --profile "${MID[@]}"
+grep -E "^profile \|" "$LOGS/measure_mid_moe.log" | head -16 | cut -c1-170  # what dominates the measured step
 step_bg plan_against_measured 200 "$PY" -m nemo_ac.cli plan recipes/tiny/qwen3_moe_tiny.yaml --world-size 1 \
   --gpu h200-141gb --against "$LOGS/measure_mid" "${MID[@]}"
 step measure_mid_moe_full_offload 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.simulate.measure \

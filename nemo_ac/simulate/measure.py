@@ -15,10 +15,11 @@ The accuracy tests run it on gloo beside ``simulate`` on the same recipe (``test
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,21 +55,33 @@ def counts_as_dict(counts: StepCounts) -> dict[str, Any]:
     }
 
 
-def measure(recipe_path: str, overrides: Sequence[str], *, out: Path, timed_steps: int) -> dict[str, Any]:
+def measure(
+    recipe_path: str, overrides: Sequence[str], *, out: Path, timed_steps: int, profile: bool = False
+) -> dict[str, Any]:
     """Preflight, process group, ``measure_step_of``, teardown (the command)."""
     checked = preflight(recipe_path, overrides, world_size=world_size_from_env(), check_env=True)
     env = init_distributed(checked.recipe.dist, host_collectives=checked.recipe.train.optimizer_offload == "full")
     try:
-        return measure_step_of(checked.recipe, checked.layout, env=env, out=out, timed_steps=timed_steps)
+        return measure_step_of(
+            checked.recipe, checked.layout, env=env, out=out, timed_steps=timed_steps, profile=profile
+        )
     finally:
         destroy_distributed()
 
 
 def measure_step_of(
-    recipe: RecipeConfig, layout: ParallelLayout, *, env: DistEnv, out: Path, timed_steps: int = 0
+    recipe: RecipeConfig,
+    layout: ParallelLayout,
+    *,
+    env: DistEnv,
+    out: Path,
+    timed_steps: int = 0,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """One counted step of ``recipe`` in the process group that is up (module docstring); writes this rank's JSON.
-    Several recipes may be measured in turn in one process group (the accuracy tests do)."""
+    Several recipes may be measured in turn in one process group (the accuracy tests do). With ``profile``, the last
+    timed step also runs under torch's profiler (its own wall time is not among the timed ones): what dominates a
+    measured step that the estimate misses."""
     setup = build_training(recipe, layout, device=env.device)
     trainer = build_trainer(setup, logger=quiet_logger(setup.recipe))
     prepared = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(0)]
@@ -94,17 +107,19 @@ def measure_step_of(
         trainer.accumulate(prepared, global_tokens=tokens)
         trainer.update()
     walls = []
-    for step in range(1, timed_steps + 1):
+    for step in range(1, timed_steps + 1 + int(profile)):
         batches = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(step)]
         step_tokens = int(trainer._all_reduce([count_tokens(batches)[0]])[0])
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
-        started = time.perf_counter()
-        trainer.accumulate(batches, global_tokens=step_tokens)
-        trainer.update()
-        if env.device.type == "cuda":
-            torch.cuda.synchronize(env.device)
-        walls.append(time.perf_counter() - started)
+        with step_profiler(enabled=step > timed_steps, device_type=env.device.type, out=out, rank=env.rank):
+            started = time.perf_counter()
+            trainer.accumulate(batches, global_tokens=step_tokens)
+            trainer.update()
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+            if step <= timed_steps:
+                walls.append(time.perf_counter() - started)
     result = {
         "recipe": recipe.name,
         "rank": env.rank,
@@ -125,16 +140,39 @@ def measure_step_of(
     return result
 
 
+@contextlib.contextmanager
+def step_profiler(*, enabled: bool, device_type: str, out: Path, rank: int, rows: int = 25) -> Iterator[None]:
+    """torch's profiler around one step: the ops by their own device time (CPU time on CPU), printed as ``profile |``
+    lines and written to ``DIR/profile_rank<r>.txt``. The table is torch's ``key_averages``; nothing is re-counted."""
+    if not enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        yield
+    sort_by = "self_cuda_time_total" if device_type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_rank{rank}.txt").write_text(table + "\n")
+    if rank == 0:
+        for line in table.splitlines():
+            print(f"profile | {line}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nemo_ac.simulate.measure", description=__doc__.splitlines()[0])
     parser.add_argument("recipe")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--timed-steps", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="one more step under torch's profiler: its top ops")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     unknown = [item for item in overrides if item.startswith("-") or "=" not in item]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like section.key=value)")
-    measure(args.recipe, overrides, out=args.out, timed_steps=args.timed_steps)
+    measure(args.recipe, overrides, out=args.out, timed_steps=args.timed_steps, profile=args.profile)
     return 0
 
 
