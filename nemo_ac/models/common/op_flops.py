@@ -37,8 +37,26 @@ _NON_COMPUTE_NAMESPACES = frozenset(
 # aten ops that do matmul-like work: one of these without a formula would be an undercount (kept to the ones torch
 # registers no formula for on some release; ``_grouped_mm`` is registered by nemo_ac where torch has none).
 _ATEN_COMPUTE = frozenset(
-    {"_grouped_mm", "_scaled_grouped_mm", "einsum", "linear", "matmul", "tensordot", "linalg_solve_triangular"}
+    {
+        "_grouped_mm",
+        "_scaled_grouped_mm",
+        "einsum",
+        "linear",
+        "matmul",
+        "tensordot",
+        "linalg_solve_triangular",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    }
 )
+# aten ops that compute what a CUDA twin computes, which torch has a formula for and they have not: the twin's formula
+# is registered for them. SDPA's fused CPU kernel is what ``backend.attention: sdpa`` runs on CPU, so what the dry run
+# counts for a CUDA plan (the fake step runs on CPU): without it, on one H200, the dry run of a compiled SDPA step
+# counted 23.9 TFLOP against FlopCounterMode's 31.6 on the GPU (attention's 7.7, forward and backward, counted 0).
+_CUDA_TWINS = {
+    "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu_backward": "_scaled_dot_product_flash_attention_backward",
+}
 
 
 def register_op_flops(packet: Any, formula: Callable[..., int], *, get_raw: bool = False) -> bool:
@@ -138,6 +156,10 @@ def _register_aten() -> None:
     if hasattr(torch.ops.aten, "_grouped_mm"):
         register_op_flops(torch.ops.aten._grouped_mm, grouped_mm_flops)
     register_op_flops(torch.ops.aten.linalg_solve_triangular, solve_triangular_flops)
+    for name, twin in _CUDA_TWINS.items():
+        op, twin_op = getattr(torch.ops.aten, name, None), getattr(torch.ops.aten, twin, None)
+        if op is not None and twin_op in flop_registry:  # torch's own formula, as it is registered (raw)
+            register_op_flops(op, flop_registry[twin_op], get_raw=True)
 
 
 _register_aten()

@@ -127,3 +127,26 @@ def test_an_op_without_a_formula_is_named_never_counted_as_zero_silently() -> No
     assert ops_without_formula([torch.ops.nemo_ac_test.no_formula.default, torch.ops.aten.mm.default]) == [
         "nemo_ac_test.no_formula"
     ]
+
+
+def test_sdpa_on_cpu_counts_what_torchs_cuda_formula_counts() -> None:
+    """``backend.attention: sdpa`` on CPU runs SDPA's fused CPU kernel, for which torch registers no formula: the dry
+    run of a CUDA plan (a fake step on CPU) counted its attention as 0 FLOPs. It now counts torch's flash formula:
+    4 * b * h * s_q * s_k * d forward (QK^T and PV), 2.5 times that backward (flash recomputes P). Nothing else in
+    the op computes (repeat_interleave for GQA, the mask, transposes)."""
+    from nemo_ac.models.common.attention import build_attention_inputs, packed_causal_attention
+
+    b, s, heads, kv_heads, d = 2, 48, 4, 2, 16
+    q = torch.randn(b, s, heads, d, requires_grad=True)
+    k, v = (torch.randn(b, s, kv_heads, d, requires_grad=True) for _ in range(2))
+    attn = build_attention_inputs(torch.tensor([[0] * 20 + [1] * 28, [0] * 48]))
+    forward = 4 * b * heads * s * s * d
+
+    def step() -> None:
+        packed_causal_attention(q, k, v, attn).sum().backward()
+
+    assert _flops(step) == forward + int(2.5 * forward)
+    with StepCounter() as counter:
+        step()
+    assert counter.counts.flops["forward"] + counter.counts.flops["backward"] == forward + int(2.5 * forward)
+    assert counter.counts.without_formula == {}
