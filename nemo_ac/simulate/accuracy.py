@@ -2,7 +2,9 @@
 
 ``nemo-ac plan RECIPE --against DIR`` prints it; the accuracy tests assert it on ``ACCURACY_CASES``. What is compared, for one rank:
 the tracked peak memory (the same tracker in fake and in real mode), the FLOPs per phase and their total against
-``FlopCounterMode`` over the real step, and every collective's calls and bytes per mesh dimension and op.
+``FlopCounterMode`` over the real step, and every collective's calls and bytes per mesh dimension and op. Where the
+step was measured on a GPU with ``--profile``, the estimate's compute is held against the kernels' time torch's
+profiler saw, op by op (``profile_lines``): a step the host bounds is no test of a kernel-time estimate.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_ac.simulate.estimate import StepEstimate
 from nemo_ac.simulate.measure import counts_as_dict
 from nemo_ac.simulate.run import Simulation
 
@@ -90,3 +93,35 @@ def compare(simulation: Simulation, measured: dict[str, Any]) -> Comparison:
         predicted_host=dict(simulation.host_bytes),
         measured_host={k: int(v) for k, v in measured.get("host_bytes", {}).items()},
     )
+
+
+# Below this share of the profiled step's wall time in kernels, the host (Python, dispatch, launches) bounds the step.
+HOST_BOUND_SHARE = 0.5
+
+
+def profile_lines(profile: dict[str, Any], estimate: StepEstimate, *, rows: int = 8) -> list[str]:
+    """The estimate held against torch's profiler over one measured GPU step (``measure --profile``): whether the
+    kernels or the host bound the step, the estimate's compute against the kernels' busy time, and the ops that
+    took the most device time beside the estimate's seconds for the op of that name (``-``: none it costs by that
+    name, such as a compiled region's kernels). Empty for a CPU measurement: the estimate is for a GPU's kernels."""
+    if profile.get("device_type") != "cuda" or not profile.get("device_busy_s"):
+        return []
+    busy, wall, host = profile["device_busy_s"], profile["wall_s"], profile["host_s"]
+    verdict = (
+        f"host-bound: kernels ran {busy / wall:.0%} of it"
+        if busy < HOST_BOUND_SHARE * wall
+        else f"kernels ran {busy / wall:.0%} of it"
+    )
+    lines = [
+        f"against | profiled step {wall:.3f} s wall (torch profiler, one step after the timed ones): kernels "
+        f"{busy:.3f} s, host-side ops {host:.3f} s; {verdict}. The estimate's compute {estimate.compute_s:.3f} s is "
+        f"{estimate.compute_s / busy - 1:+.1%} against the kernels' time"
+    ]
+    ops = sorted(profile["ops"].items(), key=lambda item: -item[1]["self_device_s"])
+    for name, op in ops[:rows]:
+        estimated = estimate.by_op.get(name.split("::", 1)[-1])
+        lines.append(
+            f"against |   {name[:44]:<44} measured {op['self_device_s'] * 1e3:9.2f} ms ({op['calls']} calls) | "
+            + (f"estimated {estimated * 1e3:9.2f} ms" if estimated is not None else "estimated         -")
+        )
+    return lines

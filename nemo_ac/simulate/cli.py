@@ -174,7 +174,7 @@ def run_plan(args: argparse.Namespace) -> int:
         for line in write_pictures(simulation, gpus[0], trace=args.trace, memory_plot=args.memory_plot):
             print(line)
     if args.against:
-        from nemo_ac.simulate.accuracy import compare, read_measured
+        from nemo_ac.simulate.accuracy import compare, profile_lines, read_measured
 
         try:
             measured = read_measured(args.against, args.rank)
@@ -192,6 +192,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 f"{measured.get('device')}; estimated {e.step_s:.3f} s on {e.gpu} (bounds {e.step_fused_s:.3f} .. "
                 f"{e.step_eager_s:.3f} s); error {e.step_s / walls[len(walls) // 2] - 1:+.1%} where the GPUs match"
             )
+        for line in profile_lines(measured.get("profile") or {}, report.estimates[0]):
+            print(line)
         if measured.get("cuda_max_allocated_bytes"):
             print(
                 f"against | torch.cuda.max_memory_allocated {measured['cuda_max_allocated_bytes']:,} B (the "

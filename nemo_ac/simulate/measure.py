@@ -107,19 +107,25 @@ def measure_step_of(
         trainer.accumulate(prepared, global_tokens=tokens)
         trainer.update()
     walls = []
+    profiled: dict[str, Any] = {}
     for step in range(1, timed_steps + 1 + int(profile)):
         batches = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(step)]
         step_tokens = int(trainer._all_reduce([count_tokens(batches)[0]])[0])
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
-        with step_profiler(enabled=step > timed_steps, device_type=env.device.type, out=out, rank=env.rank):
+        with step_profiler(
+            enabled=step > timed_steps, device_type=env.device.type, out=out, rank=env.rank
+        ) as profiled_step:
             started = time.perf_counter()
             trainer.accumulate(batches, global_tokens=step_tokens)
             trainer.update()
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)
-            if step <= timed_steps:
-                walls.append(time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+        if step <= timed_steps:
+            walls.append(elapsed)
+        else:
+            profiled = {**profiled_step, "wall_s": elapsed}
     result = {
         "recipe": recipe.name,
         "rank": env.rank,
@@ -132,6 +138,7 @@ def measure_step_of(
         "flop_counter_total": int(flop_counter.get_total_flops()),
         "micro_batches": measured.micro_batches_per_step,
         "step_wall_s": walls,
+        "profile": profiled,  # {} without --profile; step_profiler's summary, wall_s under the profiler
         "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else None,
         **counts_as_dict(measured.counts),
     }
@@ -141,20 +148,43 @@ def measure_step_of(
 
 
 @contextlib.contextmanager
-def step_profiler(*, enabled: bool, device_type: str, out: Path, rank: int, rows: int = 25) -> Iterator[None]:
+def step_profiler(*, enabled: bool, device_type: str, out: Path, rank: int, rows: int = 25) -> Iterator[dict[str, Any]]:
     """torch's profiler around one step: the ops by their own device time (CPU time on CPU), printed as ``profile |``
-    lines and written to ``DIR/profile_rank<r>.txt``. The table is torch's ``key_averages``; nothing is re-counted."""
+    lines and written to ``DIR/profile_rank<r>.txt``. The table is torch's ``key_averages``; nothing is re-counted.
+
+    Yields a dict filled on exit (JSON-able): per op (the host-side rows: each kernel's time belongs to the op that
+    launched it) its calls, self device seconds and self CPU seconds, and their sums, ``device_busy_s`` (kernels of
+    overlapping streams counted each) and ``host_s``: what ``nemo-ac plan --against`` holds the estimate's ops
+    against, and whether the host or the device bounds the step."""
+    summary: dict[str, Any] = {}
     if not enabled:
-        yield
+        yield summary
         return
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
-        yield
+        yield summary
+    averages = prof.key_averages()
+    ops = {
+        event.key: {
+            "calls": int(event.count),
+            "self_device_s": float(getattr(event, "self_device_time_total", 0.0)) / 1e6,
+            "self_cpu_s": float(event.self_cpu_time_total) / 1e6,
+        }
+        for event in averages
+        if event.device_type == DeviceType.CPU
+    }
+    summary.update(
+        device_type=device_type,
+        device_busy_s=sum(op["self_device_s"] for op in ops.values()),
+        host_s=sum(op["self_cpu_s"] for op in ops.values()),
+        ops=ops,
+    )
     sort_by = "self_cuda_time_total" if device_type == "cuda" else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
+    table = averages.table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"profile_rank{rank}.txt").write_text(table + "\n")
     if rank == 0:
