@@ -19,7 +19,9 @@ from nemo_ac.simulate.measure import counts_as_dict
 from nemo_ac.simulate.run import Simulation
 
 # The accuracy check's cases (tests/functional/test_plan_accuracy.py, benchmarks/plan_accuracy.py): name -> (recipe
-# under recipes/, ranks, overrides). Both sides route as the dry run assumes and do not compile (module docstring).
+# under recipes/, ranks, overrides). Both sides route as the dry run assumes and do not compile, but for the compiled
+# case: its blocks compile (aot_eager: Dynamo's frames without inductor's minutes on CPU) before the counted step,
+# which runs them under the counters as their eager op stream, what the dry run counts (measure.compile_before_counting).
 ACCURACY_OVERRIDES = ("dist.device=cpu", "model.moe.force_balanced_routing=true", "compile.enabled=false")
 ACCURACY_CASES: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "qwen3_moe_tiny": ("tiny/qwen3_moe_tiny.yaml", 2, ()),
@@ -30,6 +32,7 @@ ACCURACY_CASES: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "qwen3_moe_tiny_ring_cp2": ("tiny/qwen3_moe_tiny.yaml", 2, ("parallel.cp=2", "parallel.cp_type=ring")),
     # The tiny GLM recipe keeps FSDP's shards on the host (optimizer_offload full); here only AdamW's states.
     "glm_4_5_air_tiny_states": ("tiny/glm_4_5_air_tiny.yaml", 2, ("train.optimizer_offload=states",)),
+    "qwen3_moe_tiny_compiled": ("tiny/qwen3_moe_tiny.yaml", 2, ("compile.enabled=true", "compile.backend=aot_eager")),
 }
 
 

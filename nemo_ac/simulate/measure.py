@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from nemo_ac.config.schema import RecipeConfig
 from nemo_ac.config.validate import ParallelLayout
+from nemo_ac.diagnostics.recompiles import CompileAccounting
 from nemo_ac.distributed.env import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env
 from nemo_ac.preflight import preflight
 from nemo_ac.simulate.counters import StepCounter, StepCounts
@@ -35,7 +36,7 @@ from nemo_ac.simulate.memory import PeakSampler, host_bytes
 from nemo_ac.simulate.run import mesh_group_labels
 from nemo_ac.simulate.step import measure_step, start_like_a_later_step
 from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
-from nemo_ac.trainer.loop import count_tokens
+from nemo_ac.trainer.loop import Trainer, count_tokens
 from nemo_ac.workarounds.fake_world import dtensor_propagation_marked
 
 
@@ -86,6 +87,9 @@ def measure_step_of(
     trainer = build_trainer(setup, logger=quiet_logger(setup.recipe))
     prepared = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(0)]
     tokens = int(trainer._all_reduce([count_tokens(prepared)[0]])[0])
+    accounting = CompileAccounting(watch_checkpoint_entries=setup.plan.applied.compiled_checkpoint_entries).install()
+    if setup.plan.compile is not None:
+        compile_before_counting(trainer, prepared, global_tokens=tokens)
     hold = len(prepared) > 1 and not trainer.options.reduce_grads_on_last_micro_batch_only
     start_like_a_later_step(trainer, hold_gradients=hold)
     counter = StepCounter(group_labels=mesh_group_labels(setup.meshes))
@@ -138,13 +142,27 @@ def measure_step_of(
         "flop_counter_total": int(flop_counter.get_total_flops()),
         "micro_batches": measured.micro_batches_per_step,
         "step_wall_s": walls,
+        "compile": accounting.metrics(),  # the timed steps ran compiled blocks where compiles_fwd > 0
         "profile": profiled,  # {} without --profile; step_profiler's summary, wall_s under the profiler
         "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else None,
         **counts_as_dict(measured.counts),
     }
+    accounting.close()
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def compile_before_counting(trainer: Trainer, prepared: Sequence[Any], *, global_tokens: int) -> None:
+    """One plain step first, so that the compiled blocks compile before any counter runs them.
+
+    Dynamo compiles nothing whose first call runs under a dispatch mode (the counters are ``TorchDispatchMode``s),
+    and the frame stays uncompiled on later calls without one: a ``compile.enabled=true`` measurement timed an eager
+    step (0 frames compiled, on CPU and on an H200). Once compiled, a block called under the counters runs its
+    eager op stream (what the dry run counts) and the timed steps run the compiled code. The step changes weights
+    and optimizer state only: the counted step's shapes, FLOPs and peak are those of any later step."""
+    trainer.accumulate(prepared, global_tokens=global_tokens)
+    trainer.update()
 
 
 @contextlib.contextmanager

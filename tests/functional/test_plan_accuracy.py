@@ -5,7 +5,8 @@ the host memory (the tiny GLM recipe's FSDP shards, gradients and AdamW states, 
 AdamW's states alone in the Qwen3.6 tiny recipe and the GLM one with ``states``; offloaded activations) equal by term.
 
 Both sides run with ``model.moe.force_balanced_routing`` (the dry run's default routing assumption, so expert
-parallel moves the same rows) and without torch.compile (the dry run counts the eager op stream).
+parallel moves the same rows) and without torch.compile (the dry run counts the eager op stream), but for one case
+compiled with aot_eager, whose measured step must have compiled its blocks (``measure.compile_before_counting``).
 ``benchmarks/plan_accuracy.py`` prints the same comparison as a table.
 """
 
@@ -64,3 +65,6 @@ def test_the_dry_run_predicts_every_rank_of_the_real_step(name: str, measured: d
         assert result.collectives_equal, result.line()
         # Host memory (offloaded AdamW states, offloaded activations), by term, as the real step kept it.
         assert result.predicted_host == result.measured_host, result.line()
+        # A compiled case's timed steps ran compiled blocks: Dynamo compiles nothing first called under a counter.
+        compiles = read_measured(measured[name], rank)["compile"]["compiles_fwd"]
+        assert (compiles > 0) == ("compile.enabled=true" in overrides), (name, compiles)
