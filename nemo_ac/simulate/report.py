@@ -6,6 +6,7 @@ Every estimated number is labelled as one, with its assumptions listed; measured
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 from nemo_ac.simulate.estimate import StepEstimate, estimate_step
 from nemo_ac.simulate.gpus import RESERVED_BYTES, GpuSpec, assumptions_line
+from nemo_ac.simulate.peer_flops import PeerFlops, automodel_flops
 from nemo_ac.simulate.run import Simulation
 
 GiB = 2**30
@@ -119,6 +121,19 @@ class PlanReport:
             fits=[fit_on(simulation, gpu) for gpu in gpus],
         )
 
+    @functools.cached_property
+    def peer_flops(self) -> PeerFlops | None:
+        """NeMo Automodel's model FLOPs per token for this recipe (``simulate.peer_flops``), when installed: computed
+        for the printed and JSON report only (the layout search builds reports it never prints)."""
+        return automodel_flops(self.simulation.recipe)
+
+    def peer_tflops_per_gpu(self, estimate: StepEstimate) -> float | None:
+        """The estimate's TFLOP/s per GPU by Automodel's formula (what its benchmark table prints)."""
+        if self.peer_flops is None or not estimate.step_s:
+            return None
+        tokens_per_gpu = self.simulation.tokens_per_step / estimate.step_s / self.simulation.layout.world_size
+        return self.peer_flops.flops_per_token * tokens_per_gpu / 1e12
+
     def lines(self) -> list[str]:
         sim = self.simulation
         m = sim.measurement
@@ -199,6 +214,12 @@ class PlanReport:
                 + (f"; optimizer step on the host {seconds(estimate.host_step_s)}" if estimate.host_step_s else "")
                 + "".join(f"; {dim} {seconds(spent)}" for dim, spent in sorted(estimate.comm_s.items()))
             )
+            peer_tflops = self.peer_tflops_per_gpu(estimate)
+            if peer_tflops is not None and self.peer_flops is not None:
+                out.append(
+                    f"estimate | {estimate.gpu}:   by {self.peer_flops.describe()}: {peer_tflops:,.0f} TFLOP/s per GPU, "
+                    f"MFU {peer_tflops * 1e12 / estimate.peak_flops:.1%} (the figures Automodel publishes)"
+                )
         for gpu in self.gpus:
             out.append(f"assumes | {assumptions_line(gpu)}")
         out.append(
@@ -275,6 +296,7 @@ class PlanReport:
                     "mfu_fused": e.mfu_fused,
                     "tokens_per_s": sim.tokens_per_step / e.step_s if e.step_s else 0.0,
                     "tokens_per_s_per_gpu": sim.tokens_per_step / e.step_s / sim.layout.world_size if e.step_s else 0.0,
+                    "automodel_tflops_per_gpu": self.peer_tflops_per_gpu(e),
                     "fits": f.fits,
                     "host_bytes_per_node": f.host_bytes_per_node,
                     "host_memory_bytes": f.host_memory_bytes,
@@ -284,6 +306,13 @@ class PlanReport:
                 }
                 for e, f, g in zip(self.estimates, self.fits, self.gpus, strict=True)
             ],
+            "automodel_flops": None
+            if self.peer_flops is None
+            else {
+                "formula": self.peer_flops.formula,
+                "flops_per_token": self.peer_flops.flops_per_token,
+                "row_tokens": self.peer_flops.row_tokens,
+            },
             "assumptions": sim.assumptions,
             "stand_ins": sim.stand_ins,
             "dry_run": {"wall_s": sim.wall_s, "peak_rss_bytes": sim.peak_rss_bytes},
