@@ -23,7 +23,7 @@ TESTS ?=
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --disable-pip-version-check --no-compile -q -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $@
 
 install: $(VENV)/.installed-$(EXTRAS)
