@@ -80,8 +80,8 @@ def measure_step_of(
     profile: bool = False,
 ) -> dict[str, Any]:
     """One counted step of ``recipe`` in the process group that is up (module docstring); writes this rank's JSON.
-    Several recipes may be measured in turn in one process group (the accuracy tests do). With ``profile``, the last
-    timed step also runs under torch's profiler (its own wall time is not among the timed ones): what dominates a
+    Several recipes may be measured in turn in one process group (the accuracy tests do). With ``profile``, one more
+    step after the timed ones runs under torch's profiler (its wall time is not among the timed ones): what dominates a
     measured step that the estimate misses."""
     setup = build_training(recipe, layout, device=env.device)
     trainer = build_trainer(setup, logger=quiet_logger(setup.recipe))

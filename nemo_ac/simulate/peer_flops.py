@@ -15,7 +15,6 @@ no such line. Checked: Automodel's Qwen3-30B-A3B row (12,040 tokens/s per GPU at
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from dataclasses import dataclass
 
@@ -52,33 +51,11 @@ def automodel_flops(recipe: RecipeConfig) -> PeerFlops | None:
         config_json = hf_config_dict(recipe.model)
     except NotImplementedError:  # a family without a Hugging Face mapping
         return None
-    row = round(attention_row_length(recipe.data))
-    return _per_token(tuple(sorted((k, _hashable(v)) for k, v in config_json.items())), row)
-
-
-def _hashable(value: object) -> object:
-    if isinstance(value, dict):
-        return ("__dict__", tuple(sorted((k, _hashable(v)) for k, v in value.items())))
-    if isinstance(value, list):
-        return ("__list__", tuple(_hashable(v) for v in value))
-    return value
-
-
-def _plain(value: object) -> object:
-    if isinstance(value, tuple) and value and value[0] == "__dict__":
-        return {k: _plain(v) for k, v in value[1]}
-    if isinstance(value, tuple) and value and value[0] == "__list__":
-        return [_plain(v) for v in value[1]]
-    return value
-
-
-@functools.cache
-def _per_token(config_items: tuple[tuple[str, object], ...], row: int) -> PeerFlops | None:
     from nemo_automodel.components.utils.flops_utils import get_flops_formula_for_hf_config
     from transformers import AutoConfig
 
-    fields = {key: _plain(value) for key, value in config_items}
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    row = round(attention_row_length(recipe.data))
+    config = AutoConfig.for_model(config_json.pop("model_type"), **config_json)
     formula = get_flops_formula_for_hf_config(config)
     if formula is None:
         return None
