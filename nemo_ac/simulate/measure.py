@@ -36,7 +36,7 @@ from nemo_ac.simulate.memory import PeakSampler, host_bytes
 from nemo_ac.simulate.run import mesh_group_labels
 from nemo_ac.simulate.step import measure_step, start_like_a_later_step
 from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
-from nemo_ac.trainer.loop import Trainer, count_tokens
+from nemo_ac.trainer.loop import Trainer
 from nemo_ac.workarounds.fake_world import dtensor_propagation_marked
 
 
@@ -86,7 +86,7 @@ def measure_step_of(
     setup = build_training(recipe, layout, device=env.device)
     trainer = build_trainer(setup, logger=quiet_logger(setup.recipe))
     prepared = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(0)]
-    tokens = int(trainer._all_reduce([count_tokens(prepared)[0]])[0])
+    tokens = trainer.global_tokens(prepared)
     accounting = CompileAccounting(watch_checkpoint_entries=setup.plan.applied.compiled_checkpoint_entries).install()
     if setup.plan.compile is not None:
         compile_before_counting(trainer, prepared, global_tokens=tokens)
@@ -114,7 +114,7 @@ def measure_step_of(
     profiled: dict[str, Any] = {}
     for step in range(1, timed_steps + 1 + int(profile)):
         batches = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(step)]
-        step_tokens = int(trainer._all_reduce([count_tokens(batches)[0]])[0])
+        step_tokens = trainer.global_tokens(batches)
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         with step_profiler(

@@ -31,7 +31,6 @@ from nemo_ac.data.sources import recipe_batches
 from nemo_ac.distributed.mesh import ParallelMeshes
 from nemo_ac.distributed.plan import ParallelPlan
 from nemo_ac.distributed.plan.kernels import resolve_mixer_kernel
-from nemo_ac.models.freeze import freeze
 from nemo_ac.simulate.counters import WORLD, StepCounter
 from nemo_ac.simulate.fusion import CompiledRegions
 from nemo_ac.simulate.host_shards import add_host_shard_costs, fsdp_unit_shards, staging_bytes
@@ -41,16 +40,9 @@ from nemo_ac.simulate.memory import HOST_CATEGORIES, HandAdded, PeakSampler, hos
 from nemo_ac.simulate.routing import DeepEPRouting, RoutingAssumption, install_assumed_routing
 from nemo_ac.simulate.step import StepMeasurement, measure_step, start_like_a_later_step
 from nemo_ac.trainer.batching import make_batch_preparer
-from nemo_ac.trainer.build import (
-    TrainingSetup,
-    build_parallel_model,
-    build_trainer,
-    choose_kernels,
-    plan_recipe,
-    quiet_logger,
-)
+from nemo_ac.trainer.build import DryRunTarget, build_trainer, build_training, choose_kernels, plan_recipe, quiet_logger
 from nemo_ac.trainer.loop import count_tokens
-from nemo_ac.trainer.optim import adamw_implementation, build_optimizer, build_scheduler
+from nemo_ac.trainer.optim import adamw_implementation
 from nemo_ac.workarounds.fake_world import (
     RealWhereAllReal,
     dtensor_propagation_marked,
@@ -239,27 +231,29 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
     if not 0 <= options.rank < layout.world_size:
         raise ConfigError(ConfigIssue("--rank", f"{options.rank} is outside the world of {layout.world_size} ranks"))
     with fake_process_group(rank=options.rank, world_size=layout.world_size):
-        model, meshes, applied = build_parallel_model(sim_recipe, layout, device=torch.device("cpu"))
-        if applied.applied is not None and applied.applied.offloader is not None:
-            # On a GPU offloaded copies leave the device's memory; on a CPU run they stay in the same memory.
-            applied.applied.offloader.accounting_host = "meta" if device_type == "cuda" else "cpu"
-        if meshes.ep_mesh is not None:
-            install_assumed_routing(model, assumption=options.routing, ep_rank=meshes.ep_mesh.get_local_rank())
         fake = fake_tensor_mode()
-        _materialize_fake(model, fake)
-        switches = dataclasses.asdict(sim_recipe.train.freeze)
-        frozen = freeze(model, **switches) if any(switches.values()) else {}
-        # The AdamW kernel of the planned device (fused on CUDA: no temporary fp32 copy at the step).
-        # Offloaded optimizer states go to "meta" on a GPU plan: they leave the device's accounting (host memory
-        # is reported apart); on a CPU plan the host is the device.
-        optimizer = build_optimizer(
-            model,
-            sim_recipe.train,
-            device_type=device_type,
-            extensions=sim_recipe.extensions.allow,
-            host="meta" if device_type == "cuda" else "cpu",
+
+        def install_routing(model: nn.Module, meshes: ParallelMeshes) -> None:
+            if meshes.ep_mesh is not None:
+                install_assumed_routing(model, assumption=options.routing, ep_rank=meshes.ep_mesh.get_local_rank())
+
+        def materialize(model: nn.Module) -> str:
+            _materialize_fake(model, fake)
+            return "fake"
+
+        # The run's own build sequence (trainer.build.build_training), as the dry run's twin: fake weights, the
+        # AdamW kernel of the planned device (fused on CUDA: no temporary fp32 copy at the step), offloaded
+        # optimizer states and activations out of the device's accounting on a GPU plan (host memory is reported
+        # apart; on a CPU plan the host is the device).
+        setup = build_training(
+            sim_recipe,
+            layout,
+            device=torch.device("cpu"),
+            dry_run=DryRunTarget(
+                planned_device_type=device_type, materialize=materialize, prepare_model=install_routing
+            ),
         )
-        scheduler = build_scheduler(optimizer, sim_recipe.train, extensions=sim_recipe.extensions.allow)
+        model, meshes, optimizer, applied = setup.model, setup.meshes, setup.optimizer, setup.plan
         if sim_recipe.train.optimizer is None and sim_recipe.train.optimizer_state_dtype == "bfloat16":
             assumptions.append(
                 "built-in AdamW with bf16 moments (stochastic rounding), one parameter at a time: fp32 temporaries "
@@ -273,10 +267,6 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         batches, data_assumption = _micro_batches(sim_recipe, meshes, options)
         if data_assumption:
             assumptions.append(data_assumption)
-        setup = TrainingSetup(
-            recipe=sim_recipe, layout=layout, meshes=meshes, device=torch.device("cpu"), model=model,
-            optimizer=optimizer, scheduler=scheduler, data=None, weights="fake", frozen=frozen, plan=plan,
-        )  # fmt: skip
         trainer = build_trainer(setup, logger=quiet_logger(sim_recipe))
         preparer = make_batch_preparer(cp=layout.cp, cp_rank=meshes.cp_rank, cp_type=sim_recipe.parallel.cp_type)
         prepared = [preparer(batch) for batch in batches]

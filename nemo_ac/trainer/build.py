@@ -5,6 +5,12 @@ materialize weights -> freeze -> optimizer / scheduler -> data. ``train.freeze``
 ``requires_grad`` parameters only, so frozen ones get no state) and before the first forward (FSDP2 creates its
 unsharded parameters, and with them their ``requires_grad``, lazily there); frozen parameters get no gradient, so
 FSDP2 reduces nothing for them.
+
+``build_training`` is the composition root: ``nemo_ac.train``, ``nemo_ac.simulate.measure`` and the dry run
+(``nemo_ac.simulate.run``) all build through it, so the dry run counts exactly what a run builds. The dry run differs
+only where ``DryRunTarget`` says (fake weights, the planned GPU's optimizer kernel, offloaded memory out of the
+device's accounting, no data source); ``tests/unit/trainer/test_composition_root.py`` fails when a build step is
+called anywhere else in the package.
 """
 
 from __future__ import annotations
@@ -48,6 +54,29 @@ class TrainingSetup:
     weights: str  # "random init" or where the pretrained weights came from
     frozen: dict[str, int]  # parameter group -> frozen parameter count
     plan: ParallelPlan  # what parallelize did to every block, its kernels, what it produced (offloader, ...)
+
+
+@dataclass(frozen=True)
+class DryRunTarget:
+    """How the dry run's build differs from a run's, and nothing else (``build_training(..., dry_run=...)``).
+
+    ``planned_device_type``: the device the plan is for ("cuda" for the flagships, while the dry run computes on
+    the CPU). Its AdamW kernel is the one built (fused on CUDA: no foreach temporaries at the step), and on a GPU
+    plan what the run moves to host memory (offloaded optimizer states and activations) goes to "meta": it leaves
+    the device's accounting, and the report counts host memory apart. On a CPU plan the host is the device.
+    ``prepare_model``: called on the parallelized model before its parameters are materialized (the dry run installs
+    its routing assumption there). ``materialize``: the parameters and buffers as fake tensors, in place of the
+    weights a run initializes or loads; returns what ``TrainingSetup.weights`` says.
+    """
+
+    planned_device_type: str
+    materialize: Callable[[nn.Module], str]
+    prepare_model: Callable[[nn.Module, ParallelMeshes], None] | None = None
+
+    @property
+    def host(self) -> str:
+        """Where offloaded tensors go: "meta" on a GPU plan (out of the device's accounting), else "cpu"."""
+        return "meta" if self.planned_device_type == "cuda" else "cpu"
 
 
 def choose_kernels(recipe: RecipeConfig, *, device_type: str) -> tuple[RecipeConfig, KernelPlan]:
@@ -106,22 +135,40 @@ def build_parallel_model(
     return model, meshes, plan
 
 
-def build_training(recipe: RecipeConfig, layout: ParallelLayout, *, device: torch.device) -> TrainingSetup:
-    """The parallelized model with its weights, frozen groups, optimizer, scheduler and this rank's data."""
+def build_training(
+    recipe: RecipeConfig, layout: ParallelLayout, *, device: torch.device, dry_run: DryRunTarget | None = None
+) -> TrainingSetup:
+    """The parallelized model with its weights, frozen groups, optimizer, scheduler and this rank's data: the one
+    build sequence (module docstring). ``dry_run``: build the dry run's twin instead (``DryRunTarget``; no data
+    source: the dry run makes its own micro batches)."""
     recipe, kernels = choose_kernels(recipe, device_type=device.type)
     model, meshes, plan = build_parallel_model(recipe, layout, device=device, kernels=kernels)
-    weights = materialize_weights(
-        model,
-        model_config=recipe.model,
-        device=device,
-        seed=recipe.train.seed,
-        parameter_device=torch.device("cpu") if plan.fsdp.parameters_on_host else None,
-    )
+    if dry_run is None:
+        weights = materialize_weights(
+            model,
+            model_config=recipe.model,
+            device=device,
+            seed=recipe.train.seed,
+            parameter_device=torch.device("cpu") if plan.fsdp.parameters_on_host else None,
+        )
+    else:
+        offloader = plan.applied.offloader if plan.applied is not None else None
+        if offloader is not None:
+            offloader.accounting_host = dry_run.host
+        if dry_run.prepare_model is not None:
+            dry_run.prepare_model(model, meshes)
+        weights = dry_run.materialize(model)
     switches = dataclasses.asdict(recipe.train.freeze)
     frozen = freeze(model, **switches) if any(switches.values()) else {}
-    optimizer = build_optimizer(model, recipe.train, device_type=device.type, extensions=recipe.extensions.allow)
+    optimizer = build_optimizer(
+        model,
+        recipe.train,
+        device_type=device.type if dry_run is None else dry_run.planned_device_type,
+        extensions=recipe.extensions.allow,
+        host="cpu" if dry_run is None else dry_run.host,
+    )
     scheduler = build_scheduler(optimizer, recipe.train, extensions=recipe.extensions.allow)
-    data = recipe_batches(recipe, dp_rank=meshes.dp_rank, dp_size=meshes.dp_size)
+    data = recipe_batches(recipe, dp_rank=meshes.dp_rank, dp_size=meshes.dp_size) if dry_run is None else None
     return TrainingSetup(
         recipe=recipe,
         layout=layout,

@@ -142,6 +142,11 @@ class Trainer:
             dist.all_reduce(tensor, group=self.loss_group)
         return tensor.tolist()
 
+    def global_tokens(self, prepared: Sequence[PreparedBatch]) -> int:
+        """The label tokens of these prepared micro batches summed over the loss group: the divisor ``accumulate``
+        takes, for callers that step by hand (``simulate.measure``)."""
+        return int(self._all_reduce([count_tokens(prepared)[0]])[0])
+
     def train_step(self) -> StepMetrics:
         """One optimizer step over this rank's micro batches of the next global batch."""
         step = self.step + 1
