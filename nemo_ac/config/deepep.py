@@ -48,21 +48,29 @@ def _unsupported_ep_size(ep: int) -> str:
     )
 
 
+def dispatcher_ep_issue(dispatcher: str, *, ep: int) -> ConfigIssue | None:
+    """A dispatcher other than ``torch`` moves tokens between expert-parallel ranks: it needs ``parallel.ep > 1``.
+    The one statement of the rule: validation (``check_deepep``) and the plan (``decide_plan``, for callers that
+    skip validation) both ask it, and ``apply_ep`` acts on the plan's ``ep`` without asking again."""
+    if dispatcher == "torch" or ep > 1:
+        return None
+    return ConfigIssue(
+        "backend.dispatcher",
+        f"{dispatcher} moves tokens between expert-parallel ranks but parallel.ep is 1; set parallel.ep > 1 or "
+        "backend.dispatcher: torch",
+    )
+
+
 def check_deepep(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
     """The recipe itself: expert parallel over a size DeepEP supports, on CUDA, with bfloat16 tokens."""
     if recipe.backend.dispatcher != "deepep":
         return []
     par = recipe.parallel
     issues = []
-    if par.ep == 1:
-        issues.append(
-            ConfigIssue(
-                "backend.dispatcher",
-                "deepep moves tokens between expert-parallel ranks but parallel.ep is 1; set parallel.ep > 1 or "
-                "backend.dispatcher: torch",
-            )
-        )
-    elif par.ep > 1 and par.ep not in SUPPORTED_EP_SIZES:
+    without_ep = dispatcher_ep_issue(recipe.backend.dispatcher, ep=par.ep)
+    if without_ep is not None:
+        issues.append(without_ep)
+    elif par.ep not in SUPPORTED_EP_SIZES:
         issues.append(ConfigIssue("parallel.ep", _unsupported_ep_size(par.ep)))
     if recipe.dist.device == "cpu":
         issues.append(ConfigIssue("backend.dispatcher", "deepep runs on CUDA only; use dispatcher: torch on CPU"))

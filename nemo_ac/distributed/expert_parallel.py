@@ -191,16 +191,13 @@ def apply_ep(
 ) -> None:
     """Shard every routed MoE's experts over ``ep_mesh`` and give it the plan's expert-parallel dispatcher.
 
-    ``ep_mesh`` None (``parallel.ep: 1``): nothing to do; the local dispatcher stays. ``deepep_buffer_cls``: see
-    ``build_dispatcher``.
+    ``plan.ep`` 1: nothing to do; the local dispatcher stays (the plan has refused any other dispatcher without
+    expert parallel: ``config.deepep.dispatcher_ep_issue``). ``deepep_buffer_cls``: see ``build_dispatcher``.
     """
-    if ep_mesh is None:
-        if plan.kernels.dispatcher.value != "torch":
-            raise ValueError(
-                f"backend.dispatcher: {plan.kernels.dispatcher.value!r} moves tokens between expert-parallel ranks but parallel.ep "
-                "is 1; set parallel.ep > 1 or backend.dispatcher: torch"
-            )
+    if plan.ep == 1:
         return
+    if ep_mesh is None:
+        raise ValueError(f"the plan shards experts over {plan.ep} ranks, but no expert-parallel mesh was given")
     moes = [moe for block in decoder_layers(model) if (moe := routed_moe(block)) is not None]
     if not moes:
         return

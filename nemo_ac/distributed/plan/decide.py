@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from nemo_ac.config.deepep import dispatcher_ep_issue
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.config.schema import (
     ActivationCheckpointingConfig,
@@ -270,6 +271,9 @@ def decide_plan(
             cp=cp,
             cp_type=parallel.cp_type,
         )
+    without_ep = dispatcher_ep_issue(kernels.dispatcher.value, ep=ep)
+    if without_ep is not None:
+        raise ConfigError([without_ep])
     run = run_choices(ac=ac, compile=compile, cp_type=parallel.cp_type, cp=cp, ep=ep)
     decoder = decide_decoder_blocks(model, model_config=model_config, run=run, kernels=kernels)
     vision = tuple(decide_vision_block(index, run=run) for index, _ in enumerate(vision_blocks(model) or []))

@@ -73,10 +73,13 @@ def test_all_to_all_dispatcher_on_one_rank_equals_local_dispatcher(world, shared
     assert torch.all(results[1][-1][3] == 0)  # the zero-token expert gets a zero gradient
 
 
-def test_apply_ep_rejects_deepep_without_ep() -> None:
-    with pytest.raises(ValueError, match=r"backend.dispatcher: 'deepep' .* parallel.ep is 1"):
-        model = build_model(ModelConfig(num_layers=1, moe=MoEConfig(num_experts=4)))
-        apply_ep(model, plan=decide_plan(model, backend=BackendConfig(dispatcher="deepep")), ep_mesh=None)
+def test_the_plan_refuses_deepep_without_ep_and_apply_ep_trusts_it() -> None:
+    model = build_model(ModelConfig(num_layers=1, moe=MoEConfig(num_experts=4)))
+    with pytest.raises(ConfigError, match=r"backend.dispatcher: deepep moves tokens .* parallel.ep is 1"):
+        decide_plan(model, backend=BackendConfig(dispatcher="deepep"))
+    apply_ep(model, plan=decide_plan(model), ep_mesh=None)  # ep 1: the local dispatcher stays
+    moes = [module for module in model.modules() if hasattr(module, "set_dispatcher")]
+    assert moes and all(type(moe.dispatcher) is LocalDispatcher for moe in moes)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deep_ep") is not None, reason="deep_ep is installed here")
