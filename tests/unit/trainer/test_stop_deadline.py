@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -48,19 +47,17 @@ def _checkpoint(root: Path, step: int) -> Path:
     return path
 
 
-def _run(
-    tmp_path: Path, *, phase: str, finish: bool, deadline: float = 1.0
-) -> tuple[subprocess.CompletedProcess, float]:
+def _run(tmp_path: Path, *, phase: str, finish: bool, deadline: float = 1.0) -> subprocess.CompletedProcess:
+    """The script's process to its end. Its step never ends by itself: only the deadline ends it, so a missing
+    deadline shows as ``subprocess.TimeoutExpired`` (no wall-clock bound is asserted: it would measure the load)."""
     root = tmp_path / "ckpt"
-    started = time.monotonic()
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(SCRIPT), str(deadline), str(root), phase, "finish" if finish else "-"],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=60,
     )
-    return proc, time.monotonic() - started
 
 
 def _gone(pid: int) -> bool:
@@ -75,21 +72,20 @@ def test_the_deadline_ends_a_stuck_save_naming_the_checkpoint_before_it(tmp_path
     root = tmp_path / "ckpt"
     previous = _checkpoint(root, 3)
     (root / ".step_4.partial").mkdir()  # the save the deadline cuts short: never named, never loaded
-    proc, took = _run(tmp_path, phase="the checkpoint save of step 4", finish=False)
+    proc = _run(tmp_path, phase="the checkpoint save of step 4", finish=False)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert proc.stderr.splitlines() == [
         f"nemo_ac: SIGTERM during the checkpoint save of step 4 (compiling): still running train.stop_deadline_s=1 s "
         f"after it; nothing new saved; the last complete checkpoint is {previous} (rerun the same command to "
         "continue); exiting with 143"
     ]
-    assert took < 15
     assert _gone(int(proc.stdout.split()[0]))  # the process it started did not outlive it
 
 
 def test_a_stop_line_printed_in_time_is_left_alone(tmp_path) -> None:
     """The loop's own stop line came first (its step was saved): the deadline then only ends a hung teardown, with
     exit code 0 and no second line."""
-    proc, _ = _run(tmp_path, phase="the run's summary", finish=True, deadline=0.5)
+    proc = _run(tmp_path, phase="the run's summary", finish=True, deadline=0.5)
     assert proc.returncode == 0 and proc.stderr.splitlines() == ["nemo_ac: SIGTERM at step 3: checkpoint saved"]
 
 
