@@ -108,8 +108,10 @@ def tiled_packed_attention(
 def flex_packed_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionInputs, *, scale: float | None = None
 ) -> torch.Tensor:
-    """``backend.attention: flex``: FlexAttention with a document block mask (CUDA)."""
-    out, _ = flex_packed_attention(q, k, v, scale=scale, **_local_kernel_inputs(q, attn))
+    """``backend.attention: flex``: FlexAttention with a document block mask (CUDA), built once per micro batch in
+    eager mode (keyed by its document ids: every layer and every full-AC recompute reuses it)."""
+    inputs = _local_kernel_inputs(q, attn)
+    out, _ = flex_packed_attention(q, k, v, scale=scale, mask_key=attn.document_ids, **inputs)
     return out
 
 

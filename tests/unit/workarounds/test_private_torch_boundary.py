@@ -34,6 +34,9 @@ ALLOWED: dict[str, str] = {
     "told about output dataclasses (documented in torch.export)",
     "torch.utils._python_dispatch.is_in_any_mode_without_ignore_compile_internals": "the flag Dynamo itself reads to "
     "skip frames under a dispatch mode: where it is set FlexAttention cannot run and the tiled op stands in",
+    "torch.utils._python_dispatch.is_in_torch_dispatch_mode": "the same module's check for any active dispatch "
+    "mode: FlexAttention reuses its block mask only outside one (selective AC's modes hand saved outputs back in "
+    "order, so the recompute must run the ops the forward ran)",
     "torch.utils._python_dispatch.TorchDispatchMode": "the base class torch documents for __torch_dispatch__ modes "
     "(FlopCounterMode and the memory trackers derive from it)",
     "torch._grouped_mm": "the grouped GEMM op itself (torchtitan's MoE experts call it); no public alias exists",
