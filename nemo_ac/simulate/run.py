@@ -225,16 +225,18 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
     recipe, plan, device_type, kernel_notes = target_plan(recipe, layout)
     target, _ = choose_kernels(recipe, device_type=device_type)
     sim_recipe, stand_ins = simulation_recipe(target, device_type=device_type)
-    if layout.ep > 1:
+    # Expert parallel and DeepEP as the plan decided them (the plan refuses DeepEP without expert parallel).
+    expert_parallel, uses_deepep = plan.ep > 1, plan.kernels.dispatcher.value == "deepep"
+    if expert_parallel:
         options.routing.check(num_experts=recipe.model.moe.num_experts, top_k=recipe.model.moe.num_experts_per_tok)
-    assumptions = ([options.routing.describe()] if layout.ep > 1 else []) + kernel_notes
+    assumptions = ([options.routing.describe()] if expert_parallel else []) + kernel_notes
     if not 0 <= options.rank < layout.world_size:
         raise ConfigError(ConfigIssue("--rank", f"{options.rank} is outside the world of {layout.world_size} ranks"))
     with fake_process_group(rank=options.rank, world_size=layout.world_size):
         fake = fake_tensor_mode()
 
         def install_routing(model: nn.Module, meshes: ParallelMeshes) -> None:
-            if meshes.ep_mesh is not None:
+            if expert_parallel:
                 install_assumed_routing(model, assumption=options.routing, ep_rank=meshes.ep_mesh.get_local_rank())
 
         def materialize(model: nn.Module) -> str:
@@ -279,7 +281,7 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         regions = CompiledRegions()
         regions.attach(model, [block.path for block in plan.blocks if block.compile_layout is not None])
         deepep = None
-        if recipe.backend.dispatcher == "deepep" and layout.ep > 1:
+        if uses_deepep:
             deepep = DeepEPRouting(
                 tokens=prepared[0].labels.numel(),  # this rank's tokens of a micro batch (after the CP split)
                 top_k=recipe.model.moe.num_experts_per_tok,
@@ -339,7 +341,7 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
             if phase != "optimizer":  # the update runs on the host: nothing staged
                 phase_peak.hand_added.append(staging)
         assumptions.append(describe_host_shards(units, reductions=reductions))
-    if recipe.backend.dispatcher == "deepep" and layout.ep > 1:
+    if uses_deepep:
         measurement.peak.hand_added.append(
             HandAdded("DeepEP buffers", DEEPEP_BUFFER_BYTES, "deep_ep.Buffer NVLink + RDMA buffers (assumed size)")
         )
