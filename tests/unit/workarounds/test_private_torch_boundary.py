@@ -18,9 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
-PACKAGE = ROOT / "nemo_ac"
-BOUNDARY = PACKAGE / "workarounds"
+from tests.factories import hits_outside_workarounds
 
 # Underscored torch names that torch itself treats as supported surface: each used outside workarounds/ for the
 # reason given. Short on purpose; an entry no module uses any more fails ``test_every_allowlist_entry_is_used``.
@@ -127,12 +125,7 @@ def allowed_by(name: str) -> str | None:
 @functools.cache
 def uses_outside_the_boundary() -> tuple[tuple[str, int, str], ...]:
     """``(module path, line, name)`` of every private torch use in nemo_ac outside ``workarounds/``."""
-    return tuple(
-        (str(path.relative_to(ROOT)), line, name)
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if BOUNDARY not in path.parents
-        for line, name in private_torch_uses(path)
-    )
+    return hits_outside_workarounds(private_torch_uses)
 
 
 def test_no_private_torch_outside_workarounds():

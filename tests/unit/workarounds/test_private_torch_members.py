@@ -25,9 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-ROOT = Path(__file__).resolve().parents[3]
-PACKAGE = ROOT / "nemo_ac"
-BOUNDARY = PACKAGE / "workarounds"
+from tests.factories import hits_outside_workarounds
 
 # Private torch members used outside workarounds/, each with the reason it stays there. An entry no module uses any
 # more fails ``test_every_allowed_member_is_used``.
@@ -129,12 +127,7 @@ def private_member_uses(path: Path) -> list[tuple[int, str]]:
 
 @functools.cache
 def member_uses_outside_the_boundary() -> tuple[tuple[str, int, str], ...]:
-    return tuple(
-        (str(path.relative_to(ROOT)), line, name)
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if BOUNDARY not in path.parents
-        for line, name in private_member_uses(path)
-    )
+    return hits_outside_workarounds(private_member_uses)
 
 
 def test_no_private_torch_member_outside_workarounds() -> None:
