@@ -347,6 +347,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from nemo_ac.distributed.env import exit_process  # no interpreter teardown (see its docstring)
+    from nemo_ac.runtime import exit_process  # no interpreter teardown (see its docstring)
 
     exit_process(main())

@@ -195,7 +195,7 @@ def preflight(
 def check_plan(recipe: RecipeConfig, layout: ParallelLayout) -> tuple[ParallelPlan | None, list[ConfigIssue]]:
     """Step 7: the plan for this machine's device (``dist.device: auto`` resolved as the run resolves it), or the
     layout rules it refuses (imports torch, builds the model on meta)."""
-    from nemo_ac.distributed.env import resolve_device_type
+    from nemo_ac.runtime import resolve_device_type
     from nemo_ac.trainer.build import plan_recipe
 
     try:

@@ -32,9 +32,9 @@ from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.diagnostics.compile_caches import CompileCacheCounts, per_rank_report, per_rank_summary
 from nemo_ac.diagnostics.compile_progress import CompileProgress
 from nemo_ac.diagnostics.recompiles import CompileAccounting
-from nemo_ac.distributed.env import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env
 from nemo_ac.models import build_model, model_dtype
 from nemo_ac.preflight import preflight
+from nemo_ac.runtime import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env
 from nemo_ac.trainer.build import build_trainer, build_training
 from nemo_ac.trainer.checkpoint import Checkpointer, TrainingState
 from nemo_ac.trainer.checkpoint_files import root_of, step_dir

@@ -51,7 +51,7 @@ from nemo_ac.data.medpix_encoding import (
     open_image,
 )
 from nemo_ac.data.medpix_sample import synthetic_medpix_records
-from nemo_ac.distributed.env import once_per_node
+from nemo_ac.runtime import once_per_node
 
 _EPOCH_STREAM = 3
 

@@ -3,6 +3,6 @@
 from nemo_ac.doctor.runner import main
 
 if __name__ == "__main__":
-    from nemo_ac.distributed.env import exit_process  # no interpreter teardown (see its docstring)
+    from nemo_ac.runtime import exit_process  # no interpreter teardown (see its docstring)
 
     exit_process(main())

@@ -29,8 +29,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from nemo_ac.config.schema import RecipeConfig
 from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.diagnostics.recompiles import CompileAccounting
-from nemo_ac.distributed.env import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env
 from nemo_ac.preflight import preflight
+from nemo_ac.runtime import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env
 from nemo_ac.simulate.counters import StepCounter, StepCounts
 from nemo_ac.simulate.memory import PeakSampler, host_bytes
 from nemo_ac.simulate.run import mesh_group_labels

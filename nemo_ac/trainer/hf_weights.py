@@ -28,11 +28,11 @@ from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.config.pretrained import architecture_mismatches, check_pretrained, mismatch_issues
 from nemo_ac.config.pretrained_files import local_pretrained_dir
 from nemo_ac.config.schema import CheckpointConfig, ModelConfig, RecipeConfig
-from nemo_ac.distributed.env import once_per_node
 from nemo_ac.models import build_model, model_dtype
 from nemo_ac.models.hf import export_hf_checkpoint, materialize_and_load, read_hf_config, resolve_pretrained
 from nemo_ac.models.hf.io import checkpoint_problems
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.runtime import once_per_node
 from nemo_ac.trainer.checkpoint_files import root_of
 from nemo_ac.trainer.export_files import write_export_extras
 from nemo_ac.trainer.export_target import EXPORT_MARKER, marker_text, partial_of, swap_in

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from nemo_ac.config import load_recipe, validate_recipe
-from nemo_ac.distributed.env import destroy_distributed, exit_process, init_distributed, world_size_from_env
+from nemo_ac.runtime import destroy_distributed, exit_process, init_distributed, world_size_from_env
 from nemo_ac.simulate.measure import measure_step_of
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from nemo_ac.config import load_recipe, validate_recipe
-from nemo_ac.distributed.env import destroy_distributed, exit_process, init_distributed
+from nemo_ac.runtime import destroy_distributed, exit_process, init_distributed
 from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
 
 ROOT = Path(__file__).resolve().parents[3]

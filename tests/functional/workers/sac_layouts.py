@@ -30,11 +30,11 @@ from torch.utils import checkpoint as torch_checkpoint
 from nemo_ac.config import load_recipe, validate_recipe
 from nemo_ac.config.schema import DistConfig
 from nemo_ac.data.loader import SyntheticBatches
-from nemo_ac.distributed.env import destroy_distributed, exit_process, init_distributed
 from nemo_ac.distributed.mesh import build_meshes
 from nemo_ac.distributed.parallelize import parallelize
 from nemo_ac.models import build_model
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.runtime import destroy_distributed, exit_process, init_distributed
 from nemo_ac.trainer.build import TrainingSetup, build_trainer, quiet_logger
 from nemo_ac.trainer.optim import build_optimizer, build_scheduler
 from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from nemo_ac.config import load_recipe, validate_recipe
-from nemo_ac.distributed.env import destroy_distributed, exit_process, init_distributed
 from nemo_ac.models import build_model
 from nemo_ac.models.hf.io import ReadStats, export_hf_checkpoint, load_hf_checkpoint, model_tensors
+from nemo_ac.runtime import destroy_distributed, exit_process, init_distributed
 from nemo_ac.trainer.build import build_parallel_model, choose_kernels
 from tests.factories import read_dir
 

@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from nemo_ac.distributed.context_parallel.sharding import ring_attention_inputs, shard_positions, shard_sequence
 from nemo_ac.distributed.context_parallel.state_passing import ring_linear_attention, ring_ssm
-from nemo_ac.distributed.env import destroy_distributed, exit_process
 from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.common.gated_deltanet import packed_gated_delta_rule
 from nemo_ac.models.common.mamba2 import Mamba2CoreParams, mamba2_ssm
+from nemo_ac.runtime import destroy_distributed, exit_process
 
 TOL = 1e-10
 SLICE = 13  # tokens per slice; chunk size 5 pads every slice's last chunk

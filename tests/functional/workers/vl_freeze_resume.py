@@ -27,9 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_ac.config import load_recipe, to_dict, validate_recipe
 from nemo_ac.config.schema import DistConfig
-from nemo_ac.distributed.env import destroy_distributed, exit_process, init_distributed
 from nemo_ac.models.freeze import parameter_groups
 from nemo_ac.models.init import canonical_name
+from nemo_ac.runtime import destroy_distributed, exit_process, init_distributed
 from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
 from nemo_ac.trainer.checkpoint import Checkpointer, TrainingState
 

@@ -15,7 +15,7 @@ from nemo_ac.data import medpix
 from nemo_ac.data.batch import PackedBatch
 from nemo_ac.data.medpix import MedPixBatches
 from nemo_ac.data.medpix_sample import synthetic_medpix_records, write_synthetic_medpix
-from nemo_ac.distributed.env import once_per_node
+from nemo_ac.runtime import once_per_node
 
 pytest.importorskip("PIL", reason="MedPix images need pillow (the hf extra)")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_ac.config.schema import DistConfig
-from nemo_ac.distributed.env import resolve_backend
+from nemo_ac.runtime import resolve_backend
 
 
 @pytest.mark.parametrize(

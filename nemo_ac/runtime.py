@@ -1,4 +1,8 @@
-"""Process-group start-up: backend and device from the recipe (``auto``: nccl on CUDA, gloo on CPU)."""
+"""Process start-up and end: backend and device from the recipe (``auto``: nccl on CUDA, gloo on CPU), the process
+group, once-per-node work and the exit without interpreter teardown.
+
+A module of its own beside ``config/`` rather than inside ``distributed/`` (the parallelizer): ``data/`` waits on
+one process per node to tokenize and may know nothing of how a model is parallelized."""
 
 from __future__ import annotations
 
