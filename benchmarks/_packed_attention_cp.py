@@ -17,7 +17,7 @@ from nemo_ac.distributed.context_parallel.sharding import (
     ring_attention_inputs,
     shard_positions,
 )
-from nemo_ac.models.common.attention import (
+from nemo_ac.models.layers.attention import (
     build_attention_inputs,
     packed_causal_attention,
     tiled_packed_attention,

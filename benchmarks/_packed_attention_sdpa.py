@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from _common import markdown_table
 from _measure import peak_bytes, release_free_memory
 
-from nemo_ac.models.common import packed_attention as packed_attention_module
-from nemo_ac.models.common.attention import (
+from nemo_ac.models.kernels import packed_attention as packed_attention_module
+from nemo_ac.models.layers.attention import (
     build_attention_inputs,
     packed_causal_attention,
     tiled_packed_attention,

@@ -36,9 +36,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from nemo_ac.config.load import load_recipe
 from nemo_ac.config.schema import ModelConfig, SelectiveACConfig
 from nemo_ac.distributed import activation_checkpointing as ac
-from nemo_ac.models.common.attention import build_attention_inputs
-from nemo_ac.models.common.rope import RotaryEmbedding
 from nemo_ac.models.init import init_weights
+from nemo_ac.models.layers.attention import build_attention_inputs
+from nemo_ac.models.layers.rope import RotaryEmbedding
 from nemo_ac.models.qwen3_moe import DecoderLayer
 
 MODES = ("none", "full", "selective", "selective_every_other", "selective_all_mm")

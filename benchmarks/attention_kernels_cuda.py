@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from nemo_ac.models.common.attention import (
+from nemo_ac.models.layers.attention import (
     build_attention_inputs,
     flex_packed_attention_op,
     packed_causal_attention,

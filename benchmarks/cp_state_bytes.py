@@ -28,8 +28,8 @@ from _common import RESULTS_DIR, markdown_table, write_json
 from nemo_ac.config import load_recipe
 from nemo_ac.distributed.context_parallel import state_passing
 from nemo_ac.distributed.context_parallel.sharding import ring_attention_inputs
-from nemo_ac.models.common.attention import build_attention_inputs
-from nemo_ac.models.common.mamba2 import Mamba2CoreParams
+from nemo_ac.models.layers.attention import build_attention_inputs
+from nemo_ac.models.layers.mamba2 import Mamba2CoreParams
 
 ROOT = RESULTS_DIR.parents[1]
 FLAGSHIPS = {

@@ -65,9 +65,9 @@ from nemo_ac.distributed.activation_checkpointing import make_selective_checkpoi
 from nemo_ac.distributed.blocks import decoder_layers
 from nemo_ac.distributed.plan.kernels import choose_experts_impl
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import set_attention_kernel
-from nemo_ac.models.common.experts import GroupedExperts
 from nemo_ac.models.init import init_weights
+from nemo_ac.models.layers.attention import set_attention_kernel
+from nemo_ac.models.layers.experts import GroupedExperts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from _flagship_shapes import flagship_rows
 from _measure import keep_freed_memory
 
-from nemo_ac.models.common.dispatch import _weighted_sum_fp32, _WeightedCombine
-from nemo_ac.models.common.router import _Float32Linear
+from nemo_ac.models.kernels.dispatch import _weighted_sum_fp32, _WeightedCombine
+from nemo_ac.models.layers.router import _Float32Linear
 
 
 def _autograd_router(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from _flagship_shapes import flagship_rows
 from _measure import fixed_mmap_threshold
 from flagship_layers import _build_layer, _measure, _top_op
 
-from nemo_ac.models.common.experts import GroupedExperts
+from nemo_ac.models.layers.experts import GroupedExperts
 
 
 def _old_forward_loop(self: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, gate_up: Any, down: Any) -> Any:

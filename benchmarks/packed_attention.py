@@ -48,9 +48,9 @@ from _common import markdown_table, write_json
 from _packed_attention_cp import Cell, growth, measure, modes_markdown
 from _packed_attention_sdpa import DTYPES, LAYOUTS, Shape, compare, document_row, interleaved, qkv, sdpa_markdown
 
-from nemo_ac.models.common import packed_attention as packed_attention_module
-from nemo_ac.models.common.attention import build_attention_inputs
-from nemo_ac.models.common.packed_attention import packed_attention
+from nemo_ac.models.kernels import packed_attention as packed_attention_module
+from nemo_ac.models.kernels.packed_attention import packed_attention
+from nemo_ac.models.layers.attention import build_attention_inputs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

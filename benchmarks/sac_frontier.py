@@ -26,7 +26,7 @@ Counted per policy, from one forward + backward (torch's tools only):
 - held bytes: activation storages alive from forward to backward, each counted once, parameters excluded: what
   autograd saves (``torch.autograd.graph.saved_tensors_hooks`` around forward) plus the outputs in SAC's cache;
 - recompute FLOPs: ``FlopCounterMode`` over backward minus the same for ``none`` (grouped GEMMs and nemo_ac's custom
-  ops counted with their registered formulas, ``nemo_ac.models.common.op_flops``).
+  ops counted with their registered formulas, ``nemo_ac.models.kernels.op_flops``).
 
 The judgement (``on or below``): nemo_ac's point must not lie above the straight line through Automodel's point and
 ``save every matmul``'s, i.e. recompute no more FLOPs for its held bytes than that line gives. Writes
@@ -58,8 +58,8 @@ from nemo_ac.distributed.activation_checkpointing.policy import PolicyRules, Sel
 from nemo_ac.distributed.activation_checkpointing.wrapping import checkpoint_kwargs
 from nemo_ac.distributed.blocks import decoder_layers
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import set_attention_kernel
-from nemo_ac.models.common.mixer_kernels import set_mixer_kernels
+from nemo_ac.models.layers.attention import set_attention_kernel
+from nemo_ac.models.mixer_kernels import set_mixer_kernels
 from nemo_ac.workarounds.fake_world import RealWhereAllReal, fake_tensor_mode
 
 POLICIES = ("none", "full", "torchtitan", "automodel", "nemo_ac before", "nemo_ac", "save every matmul")

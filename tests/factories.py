@@ -20,11 +20,11 @@ from nemo_ac.distributed.activation_checkpointing import ContextFn, sac_region_c
 from nemo_ac.distributed.context_parallel.ring import ring_block_update, ring_kernel_step
 from nemo_ac.distributed.context_parallel.sharding import ring_attention_inputs, shard_positions
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs, packed_causal_attention
 from nemo_ac.models.expert_bias import biased_routers
 from nemo_ac.models.hf import INDEX_FILE
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.models.interfaces import AttentionInputs
+from nemo_ac.models.layers.attention import build_attention_inputs, packed_causal_attention
 
 # --- tiny model configs ----------------------------------------------------------------------------------------
 

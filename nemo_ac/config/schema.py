@@ -274,7 +274,7 @@ class ActivationCheckpointingConfig:
     # Test/diagnostic switch: disable nemo_ac's SAC workarounds to observe the torch failure they prevent.
     workarounds: bool = True
     # The recompute of a checkpointed MoE block reuses the forward's expert choice instead of routing again, so
-    # dispatch and split sizes in the recompute equal the forward's (nemo_ac/models/common/routing_replay.py).
+    # dispatch and split sizes in the recompute equal the forward's (nemo_ac/models/layers/routing_replay.py).
     # false re-routes in the recompute (only to observe the CheckpointError / wrong gradients that prevents).
     replay_routing: bool = True
 
@@ -419,7 +419,7 @@ class TrainConfig:
     # trainable parameter) or bfloat16 (4 bytes; each update still computes in fp32 on the fp32 masters, and the
     # moments are written back with stochastic rounding, trainer/adamw_bf16_states.py; DCP resume stays bitwise).
     optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
-    # The LM head and the cross entropy over this many tokens at a time (models/common/chunked_cross_entropy.py):
+    # The LM head and the cross entropy over this many tokens at a time (models/kernels/chunked_cross_entropy.py):
     # no [tokens, vocab] logits in forward or backward, one extra LM-head matmul per token (backward recomputes each
     # chunk). 0 computes the whole micro batch's logits at once.
     loss_chunk_tokens: int = 0

@@ -1,6 +1,6 @@
 """Qwen2-VL / Qwen3-VL style image preprocessing without transformers: resize, normalize, patchify.
 
-Produces exactly the layout the vision tower reads (``nemo_ac.models.common.vision``): a [num_patches,
+Produces exactly the layout the vision tower reads (``nemo_ac.models.layers.vision``): a [num_patches,
 C * temporal_patch_size * patch_size**2] float32 matrix with patches in spatial-merge-block order, and the (t, h, w)
 patch grid. A still image fills all ``temporal_patch_size`` frames of its one temporal patch. Matches transformers'
 ``Qwen2VLImageProcessorPil`` (tested), so tiny recipes and the model's own processor feed the tower the same way.

@@ -12,9 +12,9 @@ from torch import nn
 
 from nemo_ac.distributed.blocks import decoder_layers
 from nemo_ac.distributed.plan import ParallelPlan, mixer_kernel_between_graphs
-from nemo_ac.models.common.attention import set_attention_kernel
-from nemo_ac.models.common.mixer_kernels import set_mixer_kernels
-from nemo_ac.models.common.te_backend import apply_te_backends
+from nemo_ac.models.layers.attention import set_attention_kernel
+from nemo_ac.models.mixer_kernels import set_mixer_kernels
+from nemo_ac.models.te_backend import apply_te_backends
 
 
 def apply_kernels(model: nn.Module, *, plan: ParallelPlan) -> None:

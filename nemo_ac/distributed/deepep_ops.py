@@ -49,7 +49,7 @@ from typing import Any, Protocol
 
 import torch
 
-from nemo_ac.models.common.op_flops import register_op_flops, zero_flops
+from nemo_ac.models.kernels.op_flops import register_op_flops, zero_flops
 
 
 class BufferSource(Protocol):

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nemo_ac.distributed.blocks import decoder_layers, routed_moe
 from nemo_ac.distributed.plan import CompileLayout, ParallelPlan
-from nemo_ac.models.common.dispatch import permute_tokens, sort_by_expert, unpermute_tokens, weighted_combine
+from nemo_ac.models.kernels.dispatch import permute_tokens, sort_by_expert, unpermute_tokens, weighted_combine
 from nemo_ac.workarounds.shared_group_names import shared_group_name
 
 

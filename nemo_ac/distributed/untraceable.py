@@ -23,7 +23,7 @@ from collections import Counter
 from torch import nn
 
 from nemo_ac.distributed.blocks import unwrap_block
-from nemo_ac.models.common.te_backend import te_swap_counts
+from nemo_ac.models.te_backend import te_swap_counts
 from nemo_ac.workarounds.dynamo_disable_marker import is_dynamo_disabled
 
 

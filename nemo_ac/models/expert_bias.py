@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from nemo_ac.models.common.router import TopKRouter
+from nemo_ac.models.layers.router import TopKRouter
 
 
 def biased_routers(model: nn.Module) -> list[TopKRouter]:

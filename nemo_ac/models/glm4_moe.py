@@ -20,8 +20,8 @@ import torch
 from nemo_ac.config.families import glm4_moe_problems
 from nemo_ac.config.schema import ModelConfig, MoEConfig
 from nemo_ac.models import qwen3_moe
-from nemo_ac.models.common.mlp import MLP
-from nemo_ac.models.common.moe import MoE
+from nemo_ac.models.layers.mlp import MLP
+from nemo_ac.models.layers.moe import MoE
 
 
 class Glm4MoeMoE(MoE):

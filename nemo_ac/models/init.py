@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from nemo_ac.models.common.rmsnorm import RMSNorm
+from nemo_ac.models.layers.rmsnorm import RMSNorm
 
 # Module path components inserted by wrappers; they are not part of a parameter's identity.
 _WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})

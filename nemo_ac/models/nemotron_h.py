@@ -5,7 +5,7 @@ model.layers.N.norm, model.layers.N.mixer.*, model.norm_f, lm_head. (Hub checkpo
 transformers says ``model.``; ``nemo_ac.models.hf.io`` renames both ways.) Each layer is ONE pre-norm residual block
 ``h + mixer(norm(h))`` whose mixer is chosen by ``ModelConfig.layer_pattern`` (HF ``hybrid_override_pattern``):
 
-    M  Mamba-2 mixer            (``nemo_ac.models.common.mamba2.Mamba2Mixer``, swappable ``ssm_op``)
+    M  Mamba-2 mixer            (``nemo_ac.models.layers.mamba2.Mamba2Mixer``, swappable ``ssm_op``)
     *  attention, no RoPE       (``Attention`` with ``rope=None``; no qk-norm, no biases, swappable ``attn_op``)
     E  MoE                      (sigmoid router + correction bias, squared-ReLU experts, shared experts, latent proj)
     -  dense squared-ReLU MLP
@@ -25,14 +25,14 @@ from torch import nn
 
 from nemo_ac.config.families import nemotron_h_problems
 from nemo_ac.config.schema import ModelConfig, MoEConfig
-from nemo_ac.models.common.causal_lm import CausalLM, DecoderStack
-from nemo_ac.models.common.decoder_layer import attention_from_config
-from nemo_ac.models.common.experts import GroupedExperts
-from nemo_ac.models.common.mamba2 import Mamba2Mixer
-from nemo_ac.models.common.mlp import NonGatedMLP
-from nemo_ac.models.common.moe import MoE
-from nemo_ac.models.common.rmsnorm import RMSNorm
 from nemo_ac.models.interfaces import AttentionInputs, RouterStats
+from nemo_ac.models.layers.causal_lm import CausalLM, DecoderStack
+from nemo_ac.models.layers.decoder_layer import attention_from_config
+from nemo_ac.models.layers.experts import GroupedExperts
+from nemo_ac.models.layers.mamba2 import Mamba2Mixer
+from nemo_ac.models.layers.mlp import NonGatedMLP
+from nemo_ac.models.layers.moe import MoE
+from nemo_ac.models.layers.rmsnorm import RMSNorm
 
 # hybrid_override_pattern characters -> transformers 5 layer types.
 BLOCK_TYPES = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}

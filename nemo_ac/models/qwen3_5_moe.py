@@ -31,12 +31,12 @@ import torch
 from torch import nn
 
 from nemo_ac.config.schema import ModelConfig
-from nemo_ac.models.common.causal_lm import CausalLM, DecoderStack
-from nemo_ac.models.common.decoder_layer import PreNormDecoderLayer, attention_from_config
-from nemo_ac.models.common.gated_deltanet import GatedDeltaNet
-from nemo_ac.models.common.mrope import MRotaryEmbedding, multimodal_position_ids
-from nemo_ac.models.common.vision import VisionModel
 from nemo_ac.models.interfaces import AttentionInputs, ModelOutput, RouterStats
+from nemo_ac.models.layers.causal_lm import CausalLM, DecoderStack
+from nemo_ac.models.layers.decoder_layer import PreNormDecoderLayer, attention_from_config
+from nemo_ac.models.layers.gated_deltanet import GatedDeltaNet
+from nemo_ac.models.layers.mrope import MRotaryEmbedding, multimodal_position_ids
+from nemo_ac.models.layers.vision import VisionModel
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -173,7 +173,7 @@ class Qwen3_5MoeForConditionalGeneration(CausalLM):
 
         input_ids / position_ids / document_ids: [B, S] (positions restart per packed document, document_ids keep
         an image's position shift inside its document; None = one document per row). pixel_values / image_grid_thw:
-        all images of the micro batch in row-major placeholder order (see ``nemo_ac.models.common.vision``).
+        all images of the micro batch in row-major placeholder order (see ``nemo_ac.models.layers.vision``).
         """
         return self._embed(input_ids, position_ids, document_ids, pixel_values, image_grid_thw)
 

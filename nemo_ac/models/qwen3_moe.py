@@ -7,7 +7,7 @@ model.layers.N.mlp.experts.{gate_up_proj,down_proj}, model.norm, lm_head), so HF
 Each ``DecoderLayer`` is self-contained (rope and attention metadata come in as arguments) so the parallelizer can
 wrap it with activation checkpointing, torch.compile and fully_shard without touching the model. The block, the
 decoder stack and the LM head are the shared ``PreNormDecoderLayer``, ``DecoderStack`` and ``CausalLM`` of
-``nemo_ac.models.common``; this module picks Qwen3's norm and rope (GLM-4.5 reuses all of it).
+``nemo_ac.models.layers``; this module picks Qwen3's norm and rope (GLM-4.5 reuses all of it).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from nemo_ac.config.schema import ModelConfig
-from nemo_ac.models.common.causal_lm import CausalLM, DecoderStack
-from nemo_ac.models.common.decoder_layer import PreNormDecoderLayer, attention_from_config
-from nemo_ac.models.common.rmsnorm import RMSNorm
-from nemo_ac.models.common.rope import RotaryEmbedding
+from nemo_ac.models.layers.causal_lm import CausalLM, DecoderStack
+from nemo_ac.models.layers.decoder_layer import PreNormDecoderLayer, attention_from_config
+from nemo_ac.models.layers.rmsnorm import RMSNorm
+from nemo_ac.models.layers.rope import RotaryEmbedding
 
 
 class DecoderLayer(PreNormDecoderLayer):

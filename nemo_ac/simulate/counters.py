@@ -3,7 +3,7 @@
 ``StepCounter`` sees every op the step dispatches (real or fake tensors alike) and records:
 
 - FLOPs from torch's own formula registry (``torch.utils.flop_counter.flop_registry``: what ``FlopCounterMode``
-  counts, nemo_ac's custom ops included via ``nemo_ac.models.common.op_flops``), split by phase: forward, backward,
+  counts, nemo_ac's custom ops included via ``nemo_ac.models.kernels.op_flops``), split by phase: forward, backward,
   recompute (a checkpointed forward op run again in backward) and optimizer;
 - bytes read and written (input and output storages, views and no-compute ops excluded) for the roofline;
 - collectives: op, process group (labelled by mesh dimension), payload bytes and the bytes this rank puts on the
@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from nemo_ac.models.common.op_flops import needs_formula
+from nemo_ac.models.kernels.op_flops import needs_formula
 from nemo_ac.simulate.fusion import CompiledRegions, is_extern
 from nemo_ac.simulate.gpus import GPUS_PER_NODE
 from nemo_ac.simulate.routing import DeepEPRouting

@@ -18,8 +18,8 @@ from nemo_ac.distributed.context_parallel.sharding import (
     shard_sequence,
     ulysses_attention_inputs,
 )
-from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.interfaces import AttentionInputs
+from nemo_ac.models.layers.attention import build_attention_inputs
 from nemo_ac.trainer.loop import PreparedBatch
 
 

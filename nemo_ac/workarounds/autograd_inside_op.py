@@ -1,7 +1,7 @@
 """The one private-torch technique under the mixer-kernel ops' backward: run autograd inside a custom op's body.
 
 Not a failure of its own. ``nemo_ac::fla_gated_delta_rule_backward`` and ``nemo_ac::mamba_chunk_scan_backward``
-(``models.common.mixer_kernels``) are opaque custom ops, so that torch.compile's backward graph holds them as one node
+(``models.mixer_kernels``) are opaque custom ops, so that torch.compile's backward graph holds them as one node
 and SAC never sees the kernels' own allocations. Their body reaches the kernels' backward through the kernels' public
 entry points, which are ``torch.autograd.Function`` s (fla and mamba-ssm expose their backward only that way): it
 re-runs the kernel forward on detached inputs with grad enabled and calls ``torch.autograd.grad``. torch runs a
@@ -15,7 +15,7 @@ with::
 current include set and the exclude set minus the autograd keys) and restores the thread's sets on exit.
 Relies on: torch._C._ForceDispatchKeyGuard and the thread's dispatch key sets (lifting the autograd exclusion torch
 sets around a custom op's body).
-Torch versions: checked on 2.13 eagerly, under aot_eager and under inductor (``tests/unit/models/test_mixer_kernels.py``);
+Torch versions: checked on 2.13 eagerly, under aot_eager and under inductor (``tests/unit/models/kernels/test_mixer_kernels.py``);
 nemo_ac supports 2.12 - 2.15 (``workarounds.gates``); ``nemo-ac doctor`` (check ``autograd_inside_op``) runs a custom
 op whose body needs it, without and with it, on the installed torch.
 Upstream: none filed.

@@ -95,7 +95,7 @@ DYNAMIC_INT_ARGS: tuple[DynamicArg, ...] = (
     # in the frame after the experts call would specialize the row length (``tensor 'flat' size mismatch at index
     # 0. expected 128, actual 80`` with rows of 64 then 40 tokens). ``view_as(x)`` instead trips torch 2.13's
     # ``AssertionError: sources must not be empty for symbol s27`` (x's sizes symbolic, x not in the graph).
-    DynamicArg("token_shape", None, "MoE.forward (models.common.moe): [B, S, H] of its input", items=True),
+    DynamicArg("token_shape", None, "MoE.forward (models.layers.moe): [B, S, H] of its input", items=True),
 )
 
 

@@ -11,7 +11,7 @@ else. Checked on torch 2.13.0 and 2.14.1 (CI), where each of them is present as 
 - ``torch._subclasses.fake_tensor.FakeTensorMode`` / ``unset_fake_temporarily``: tensors with shapes, dtypes and
   devices but no storage (torchtitan's memory estimation runs the same way).
 - ``torch.utils._python_dispatch._disable_current_modes``: a FLOP formula that runs nemo_ac's torch reference of a
-  GPU kernel (``models.common.op_flops.reference_flops``) does so with the surrounding modes popped.
+  GPU kernel (``models.kernels.op_flops.reference_flops``) does so with the surrounding modes popped.
 - ``torch._C._current_graph_task_id``: -1 outside backward (what ``torch.utils.checkpoint`` asks too): tells the
   dry run's counters forward, backward and recompute apart.
 - ``torch._C._current_autograd_node`` and ``Node._sequence_nr``: the autograd node the engine is running and its

@@ -20,7 +20,7 @@ so the op steps aside by itself on a torch whose rule accepts the dtype. The sel
 ``nemo_ac::grouped_mm`` as a matmul.
 
 Upstream: none filed yet. Delete when: ``aten_grouped_mm_traceable(torch.float32)`` is True on every supported
-torch (``tests/unit/models/test_experts_impl.py`` shows the raw failure and skips once torch fixes it).
+torch (``tests/unit/models/kernels/test_experts_impl.py`` shows the raw failure and skips once torch fixes it).
 """
 
 from __future__ import annotations

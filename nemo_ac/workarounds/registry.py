@@ -141,7 +141,7 @@ FAILURES: tuple[Workaround, ...] = (
         name="grouped_mm_fake_rule",
         title="aten._grouped_mm's fake rule accepts bf16 only",
         error="Expected inputs of BF16 type but got mat_a.dtype=torch.float32",
-        applied="experts impl grouped_mm in fp32 / fp16 (models.common.grouped_gemm)",
+        applied="experts impl grouped_mm in fp32 / fp16 (models.kernels.grouped_gemm)",
         compat="",
         upstream=(),
         delete_when="aten_grouped_mm_traceable(torch.float32) on every supported torch (doctor: grouped_mm_fake not "
@@ -153,7 +153,7 @@ FAILURES: tuple[Workaround, ...] = (
         name="softplus_backward_layout",
         title="compiled softplus_backward assumes a contiguous gradient",
         error="view size is not compatible with input tensor's size and stride",
-        applied="Gated DeltaNet's decay (models.common.gated_deltanet)",
+        applied="Gated DeltaNet's decay (models.layers.gated_deltanet)",
         compat="",
         upstream=(),
         delete_when="a compiled Gated DeltaNet block with F.softplus passes its tests on every supported torch "
@@ -217,7 +217,7 @@ TECHNIQUES: tuple[Workaround, ...] = (
         title="autograd recorded inside a custom op's body",
         relies_on="torch._C._ForceDispatchKeyGuard and the thread's dispatch key sets (lifting the autograd exclusion "
         "torch sets around a custom op's body)",
-        applied="backward ops of the fla / mamba-ssm mixer kernels (models.common.mixer_kernels)",
+        applied="backward ops of the fla / mamba-ssm mixer kernels (models.mixer_kernels)",
         delete_when="the kernels' backward is called directly, or torch.library offers a public way",
     ),
     technique(

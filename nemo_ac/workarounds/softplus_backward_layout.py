@@ -11,7 +11,7 @@ Fix: ``softplus`` written with elementwise primitives: the same values and gradi
 (beta 1, threshold 20), and no ``softplus_backward`` node. Used on every release (it costs nothing).
 
 Upstream: none filed yet. Delete when: a compiled Gated DeltaNet block with ``F.softplus`` passes
-``tests/unit/models/test_models_qwen3_5_gated_deltanet.py`` on every supported torch.
+``tests/unit/models/layers/test_models_qwen3_5_gated_deltanet.py`` on every supported torch.
 """
 
 from __future__ import annotations

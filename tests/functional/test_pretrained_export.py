@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from nemo_ac.cli import main as cli
-from nemo_ac.models.common.attention import build_attention_inputs
+from nemo_ac.models.layers.attention import build_attention_inputs
 from nemo_ac.trainer.export import find_checkpoint, load_checkpoint_model, recipe_of
 from tests.launch import run_recipe
 

@@ -5,7 +5,7 @@ Saved: compute-intensive ops from torch's partitioner list (attention, convoluti
 matmuls (dense and grouped expert GEMMs) whose recompute costs at least ``selective.matmul_min_flops_per_byte``
 FLOPs per byte of output held (``matmul_flops_per_byte``: a bf16 projection out of a 2048-wide hidden state is 2048;
 0: every other matmul, torchtitan's rule; ``selective.save_every_other_mm: false`` saves all); router top-k / sort
-outputs and the router's ``nemo_ac::select_experts`` (``models.common.routing_replay``, which also covers full AC and
+outputs and the router's ``nemo_ac::select_experts`` (``models.layers.routing_replay``, which also covers full AC and
 compiled regions), so the recompute routes every token to the same experts (with ``tokens_per_expert.tolist()`` in the
 experts loop a different routing would change the op stream itself); outputs of functional collectives (all-to-all,
 reduce-scatter, all-gather; DeepEP's dispatch / combine, ``nemo_ac.distributed.deepep_ops``), so the recompute does
@@ -29,9 +29,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.diagnostics.sac_explain import DecisionLog
 from nemo_ac.distributed import deepep_ops as _registers_deepep_ops  # noqa: F401  (torch.ops.nemo_ac.deepep_*)
-from nemo_ac.models.common import mixer_kernels as _registers_mixer_kernel_ops  # noqa: F401  (fla / mamba_ssm)
-from nemo_ac.models.common import packed_attention as _registers_packed_attention_op  # noqa: F401
-from nemo_ac.models.common import routing_replay as _registers_select_experts_op  # noqa: F401
+from nemo_ac.models import mixer_kernels as _registers_mixer_kernel_ops  # noqa: F401  (fla / mamba_ssm)
+from nemo_ac.models.kernels import packed_attention as _registers_packed_attention_op  # noqa: F401
+from nemo_ac.models.layers import routing_replay as _registers_select_experts_op  # noqa: F401
 from nemo_ac.workarounds import grouped_mm_fake_rule as _registers_grouped_mm_op  # noqa: F401  (torch.ops.nemo_ac)
 from nemo_ac.workarounds.partitioner_op_list import compute_intensive_ops
 
@@ -68,12 +68,12 @@ _ATTENTION = (
     "aten::_flash_attention_forward",
     "aten::_efficient_attention_forward",
     "nemo_ac::packed_attention",  # the tiled packed-document op: saved whole, the recompute never reruns it
-    # The mixer cores' GPU kernels (models.common.mixer_kernels): saved whole like attention, so the recompute never
+    # The mixer cores' GPU kernels (models.mixer_kernels): saved whole like attention, so the recompute never
     # reruns the fla / mamba-ssm kernels (their backward re-runs the kernel forward once, see common.grads_by_rerun).
     "nemo_ac::fla_gated_delta_rule",
     "nemo_ac::mamba_chunk_scan",
 )
-_ROUTER = ("aten::topk", "aten::sort", "nemo_ac::select_experts")  # the last: models.common.routing_replay
+_ROUTER = ("aten::topk", "aten::sort", "nemo_ac::select_experts")  # the last: models.layers.routing_replay
 _COMMUNICATION = (
     "_c10d_functional::all_to_all_single",
     "_c10d_functional::reduce_scatter_tensor",

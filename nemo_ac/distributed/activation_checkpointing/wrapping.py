@@ -4,7 +4,7 @@ Blocks are wrapped with torch's non-reentrant ``checkpoint_wrapper`` (DCP and HF
 ``_checkpoint_wrapped_module`` prefix, so checkpoint keys keep the HF names). Each wrapper's ``context_fn`` composes
 the recompute contexts the block's plan names: the SAC modes (selective), the forward-thread compile context
 (AC(compile(block)) blocks, ``workarounds.forward_thread_compile_config``) and routing replay (MoE blocks,
-``models.common.routing_replay``). Where torch's ``checkpoint`` takes ``respect_saved_tensors_hooks`` (2.14 on),
+``models.layers.routing_replay``). Where torch's ``checkpoint`` takes ``respect_saved_tensors_hooks`` (2.14 on),
 every call passes nemo_ac's choice explicitly (``contexts.SAC_CACHE_THROUGH_SAVED_TENSORS_HOOKS``): left at None,
 torch warns on every SAC region under a saved-tensor hook and its next release raises.
 """
@@ -28,7 +28,7 @@ from nemo_ac.distributed.activation_checkpointing.contexts import (
 )
 from nemo_ac.distributed.blocks import decoder_layers, vision_blocks
 from nemo_ac.distributed.plan import BlockPlan, ParallelPlan, RecomputeContext
-from nemo_ac.models.common.routing_replay import routing_replay_context
+from nemo_ac.models.layers.routing_replay import routing_replay_context
 from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
 from nemo_ac.workarounds.fsdp_hooks_in_sac import install_fsdp_hooks_outside_sac
 from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored

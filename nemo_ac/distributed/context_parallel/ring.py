@@ -27,9 +27,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from nemo_ac.distributed.context_parallel.sharding import RingAttentionInputs, head_tail_positions
-from nemo_ac.models.common.flex_attention import flex_packed_attention
-from nemo_ac.models.common.packed_attention import packed_attention
 from nemo_ac.models.interfaces import AttentionInputs
+from nemo_ac.models.kernels.flex_attention import flex_packed_attention
+from nemo_ac.models.kernels.packed_attention import packed_attention
 
 # backend.attention -> the kernel of one ring step, ``(q, k, v, **ids) -> (out [B, sq, h, d], lse [B, h, sq])``.
 # sdpa (and te, whose module has no ring form) use the dense reference blocks below.

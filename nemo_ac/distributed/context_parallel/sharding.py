@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_ac.models.common.attention import build_attention_inputs
+from nemo_ac.models.layers.attention import build_attention_inputs
 
 CP_TYPES = ("ulysses", "ring")
 

@@ -40,15 +40,15 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from nemo_ac.distributed.context_parallel.sharding import RingAttentionInputs, head_tail_positions
-from nemo_ac.models.common.gated_deltanet import (
+from nemo_ac.models.interfaces import AttentionInputs
+from nemo_ac.models.kernels.gated_delta_rule import (
     ConvWeights,
     accumulation_dtype,
     chunk_gated_delta_rule,
     l2norm,
     packed_causal_conv1d,
 )
-from nemo_ac.models.common.mamba2 import Mamba2CoreParams, causal_depthwise_conv1d, ssd_chunk_scan
-from nemo_ac.models.interfaces import AttentionInputs
+from nemo_ac.models.layers.mamba2 import Mamba2CoreParams, causal_depthwise_conv1d, ssd_chunk_scan
 
 
 def _ring_meta(attn: AttentionInputs, kind: str) -> RingAttentionInputs:
@@ -156,7 +156,7 @@ def ring_linear_attention(
     chunk_size: int = 64,
 ) -> torch.Tensor:
     """``GatedDeltaNet.linear_attn_op`` for ``cp_type: ring`` on this rank's head-tail shard [B, 2c, ...]
-    (signature in nemo_ac.models.common.gated_deltanet); equals the single-sequence op on the full rows."""
+    (signature in nemo_ac.models.layers.gated_deltanet); equals the single-sequence op on the full rows."""
     meta = _ring_meta(attn, "linear attention")
     wq, wk, wv = conv_weights
     halo = wq.shape[-1] - 1
@@ -215,7 +215,7 @@ def ring_ssm(
     cp_size: int,
 ) -> torch.Tensor:
     """``Mamba2Mixer.ssm_op`` for ``cp_type: ring`` on this rank's head-tail shard [B, 2c, ...] (signature in
-    nemo_ac.models.common.mamba2); equals ``mamba2_ssm`` on the full rows."""
+    nemo_ac.models.layers.mamba2); equals ``mamba2_ssm`` on the full rows."""
     meta = _ring_meta(attn, "Mamba-2 scan")
     halo = params.conv_x_weight.shape[-1] - 1
     b, _, nh, hd = x.shape

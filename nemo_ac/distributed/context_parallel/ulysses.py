@@ -118,7 +118,7 @@ def ulysses_linear_attention(
     cp_size: int,
     cp_rank: int,
 ) -> torch.Tensor:
-    """``GatedDeltaNet.linear_attn_op`` for ``cp_type: ulysses`` (signature in nemo_ac.models.common.gated_deltanet)."""
+    """``GatedDeltaNet.linear_attn_op`` for ``cp_type: ulysses`` (signature in nemo_ac.models.layers.gated_deltanet)."""
     full_inputs = _full_inputs(attn, "linear attention")
     q_h, k_h, v_h, g_h, beta_h = seq_to_heads((q, k, v, g, beta), group=group, cp_size=cp_size)
     wq, wk, wv = conv_weights
@@ -145,7 +145,7 @@ def ulysses_ssm(
     cp_size: int,
     cp_rank: int,
 ) -> torch.Tensor:
-    """``Mamba2Mixer.ssm_op`` for ``cp_type: ulysses`` (signature in nemo_ac.models.common.mamba2)."""
+    """``Mamba2Mixer.ssm_op`` for ``cp_type: ulysses`` (signature in nemo_ac.models.layers.mamba2)."""
     full_inputs = _full_inputs(attn, "Mamba-2 scan")
     num_heads, num_groups = x.shape[2], B.shape[2]
     x_h, b_h, c_h, dt_h = seq_to_heads(

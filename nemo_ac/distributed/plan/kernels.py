@@ -25,8 +25,8 @@ import torch
 from nemo_ac.config import mixer_kernels as mixer_facts  # the packages each kernel needs (module: patchable)
 from nemo_ac.config.schema import BackendConfig, ModelConfig, RecipeConfig
 from nemo_ac.models import model_dtype
-from nemo_ac.models.common.experts import ExpertsImpl, grouped_mm_supported
-from nemo_ac.models.common.flex_attention import flex_attention_available
+from nemo_ac.models.kernels.flex_attention import flex_attention_available
+from nemo_ac.models.layers.experts import ExpertsImpl, grouped_mm_supported
 
 AttentionKernel = Literal["sdpa", "tiled", "flex", "te"]
 LinearAttentionKernel = Literal["torch", "fla"]

@@ -143,5 +143,5 @@ def replay_needed(ac_mode: ACMode, layout: CompileLayout | None) -> bool:
 def mixer_kernel_between_graphs(ac_mode: ACMode | str, layout: CompileLayout | str | None) -> bool:
     """Whether a block's mixer-kernel ops run between compiled graphs: a checkpointed block compiled inside its
     checkpoint (ac_outer) recomputes whole compiled graphs, so a kernel op traced into one would rerun in every
-    recompute (``models.common.mixer_kernels``); between graphs the SAC policy saves it."""
+    recompute (``models.mixer_kernels``); between graphs the SAC policy saves it."""
     return ac_mode != ACMode.NONE and layout == CompileLayout.AC_OUTER

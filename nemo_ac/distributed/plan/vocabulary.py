@@ -37,7 +37,7 @@ class RecomputeContext(StrEnum):
 
     SAC_MODES = "selective"  # nemo_ac's SAC modes (pass FSDP hook ops and compiled regions through)
     FORWARD_THREAD_COMPILE = "forward_thread_compile"  # workarounds.forward_thread_compile_config
-    ROUTING_REPLAY = "routing_replay"  # models.common.routing_replay: the recompute reuses the forward's routing
+    ROUTING_REPLAY = "routing_replay"  # models.layers.routing_replay: the recompute reuses the forward's routing
 
 
 class FSDPUnit(StrEnum):

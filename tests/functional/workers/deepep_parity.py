@@ -38,8 +38,8 @@ from nemo_ac.distributed.blocks import decoder_layers, routed_moe
 from nemo_ac.distributed.expert_parallel import apply_ep
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.models.layers.attention import build_attention_inputs
 from nemo_ac.runtime import destroy_distributed, exit_process
 from tests.deepep_standin import GlooDeepEPBufferStandIn
 from tests.factories import nemotron_config

@@ -35,14 +35,14 @@ from nemo_ac.distributed.context_parallel.sharding import (
 )
 from nemo_ac.distributed.context_parallel.ulysses import ulysses_attention, ulysses_linear_attention, ulysses_ssm
 from nemo_ac.distributed.expert_parallel import AllToAllDispatcher
-from nemo_ac.models.common.attention import packed_causal_attention
-from nemo_ac.models.common.dispatch import LocalDispatcher
-from nemo_ac.models.common.experts import GroupedExperts
-from nemo_ac.models.common.gated_deltanet import GatedDeltaNet
-from nemo_ac.models.common.mamba2 import Mamba2Mixer
-from nemo_ac.models.common.mixer_kernels import fla_linear_attn_op, mamba_ssm_op
 from nemo_ac.models.init import init_weights
 from nemo_ac.models.interfaces import AttentionInputs
+from nemo_ac.models.kernels.dispatch import LocalDispatcher
+from nemo_ac.models.layers.attention import packed_causal_attention
+from nemo_ac.models.layers.experts import GroupedExperts
+from nemo_ac.models.layers.gated_deltanet import GatedDeltaNet
+from nemo_ac.models.layers.mamba2 import Mamba2Mixer
+from nemo_ac.models.mixer_kernels import fla_linear_attn_op, mamba_ssm_op
 from nemo_ac.runtime import destroy_distributed, exit_process
 from tests.parity import TOLERANCES
 

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from nemo_ac.config import load_recipe, validate_recipe
 from nemo_ac.diagnostics.recompiles import CompileAccounting
-from nemo_ac.models.common.experts import GroupedExperts
-from nemo_ac.models.common.router import TopKRouter
+from nemo_ac.models.layers.experts import GroupedExperts
+from nemo_ac.models.layers.router import TopKRouter
 from nemo_ac.runtime import destroy_distributed, exit_process, init_distributed
 from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
 from tests.parity import gradient_snapshot

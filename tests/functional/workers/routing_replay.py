@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from nemo_ac.config import load_recipe, validate_recipe
-from nemo_ac.models.common import routing_replay
+from nemo_ac.models.layers import routing_replay
 from nemo_ac.runtime import destroy_distributed, exit_process, init_distributed
 from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
 from tests.parity import gradient_snapshot, max_gradient_difference

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from nemo_ac.distributed.context_parallel.sharding import ring_attention_inputs, shard_positions, shard_sequence
 from nemo_ac.distributed.context_parallel.state_passing import ring_linear_attention, ring_ssm
-from nemo_ac.models.common.attention import build_attention_inputs
-from nemo_ac.models.common.gated_deltanet import packed_gated_delta_rule
-from nemo_ac.models.common.mamba2 import Mamba2CoreParams, mamba2_ssm
+from nemo_ac.models.kernels.gated_delta_rule import packed_gated_delta_rule
+from nemo_ac.models.layers.attention import build_attention_inputs
+from nemo_ac.models.layers.mamba2 import Mamba2CoreParams, mamba2_ssm
 from nemo_ac.runtime import destroy_distributed, exit_process
 
 TOL = 1e-10

@@ -12,8 +12,8 @@ from nemo_ac.data.batch import IGNORE_INDEX
 from nemo_ac.data.image_processing import ImagePreprocessor
 from nemo_ac.data.medpix import MedPixBatches
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.models.layers.attention import build_attention_inputs
 
 pytest.importorskip("PIL", reason="MedPix images need pillow (the hf extra)")
 

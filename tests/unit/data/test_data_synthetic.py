@@ -12,7 +12,7 @@ from nemo_ac.data.batch import IGNORE_INDEX, PackedBatch
 from nemo_ac.data.loader import SyntheticBatches, length_choices
 from nemo_ac.data.packing import pack_row
 from nemo_ac.data.synthetic import BOS_ID, EOS_ID, SEP_ID, Document, SyntheticTask, make_document
-from nemo_ac.models.common.attention import build_attention_inputs
+from nemo_ac.models.layers.attention import build_attention_inputs
 
 CFG = DataConfig(task="reverse", seq_len=40, min_doc_tokens=3, max_doc_tokens=7)
 

@@ -29,8 +29,8 @@ from nemo_ac.distributed.activation_checkpointing import (
     sac_region_context_fn,
 )
 from nemo_ac.distributed.deepep_dispatcher import DeepEPDispatcher
-from nemo_ac.models.common.dispatch import LocalDispatcher
-from nemo_ac.models.common.experts import GroupedExperts
+from nemo_ac.models.kernels.dispatch import LocalDispatcher
+from nemo_ac.models.layers.experts import GroupedExperts
 from nemo_ac.workarounds.compiled_regions_under_sac import ac_outer_compile_kwargs
 from tests.deepep_standin import GlooDeepEPBufferStandIn
 

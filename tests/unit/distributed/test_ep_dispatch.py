@@ -18,8 +18,8 @@ from nemo_ac.config.schema import BackendConfig, ModelConfig, MoEConfig
 from nemo_ac.distributed.expert_parallel import apply_ep, build_dispatcher, source_major_to_expert_major
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
-from nemo_ac.models.common.dispatch import LocalDispatcher
-from nemo_ac.models.common.experts import GroupedExperts
+from nemo_ac.models.kernels.dispatch import LocalDispatcher
+from nemo_ac.models.layers.experts import GroupedExperts
 
 H, INTER = 12, 6
 

@@ -15,8 +15,8 @@ from nemo_ac.distributed.blocks import decoder_layers
 from nemo_ac.distributed.offload import ActivationOffloader, _Kept, _Packed, apply_offload
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.init import canonical_name, materialize_and_init
+from nemo_ac.models.layers.attention import build_attention_inputs
 from nemo_ac.trainer.build import build_parallel_model
 from tests.factories import glm_config
 from tests.launch import RECIPES

@@ -21,7 +21,7 @@ from nemo_ac.distributed.plan import (
     recipe_kernels,
 )
 from nemo_ac.models import build_model
-from nemo_ac.models.common.experts import GroupedExperts
+from nemo_ac.models.layers.experts import GroupedExperts
 from nemo_ac.trainer.build import choose_kernels, plan_recipe
 from tests.launch import RECIPES
 

@@ -9,10 +9,10 @@ import torch
 
 from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs
-from nemo_ac.models.common.router import TopKRouter
 from nemo_ac.models.expert_bias import biased_routers, update_expert_bias
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.models.layers.attention import build_attention_inputs
+from nemo_ac.models.layers.router import TopKRouter
 from tests.factories import glm_config
 
 

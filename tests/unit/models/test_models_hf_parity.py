@@ -7,8 +7,8 @@ import torch
 
 from nemo_ac.config.schema import ModelConfig, MoEConfig
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.models.layers.attention import build_attention_inputs
 
 transformers = pytest.importorskip("transformers", reason="transformers is not importable; HF parity needs it")
 

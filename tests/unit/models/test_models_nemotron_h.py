@@ -11,11 +11,11 @@ import torch.nn.functional as F
 
 from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs
-from nemo_ac.models.common.mamba2 import Mamba2CoreParams, Mamba2Mixer, mamba2_ssm, segment_ids
 from nemo_ac.models.expert_bias import biased_routers
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.models.interfaces import AttentionInputs
+from nemo_ac.models.layers.attention import build_attention_inputs
+from nemo_ac.models.layers.mamba2 import Mamba2CoreParams, Mamba2Mixer, mamba2_ssm, segment_ids
 from tests.factories import nemotron_config
 
 

@@ -20,8 +20,8 @@ import torch
 
 from nemo_ac.config.schema import ModelConfig, VisionConfig
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.models.layers.attention import build_attention_inputs
 from tests.factories import glm_config, nemotron_config, qwen3_5_config, qwen3_moe_config
 
 RECORD = Path(__file__).parent / "data" / "model_state_dicts.json"

@@ -13,7 +13,7 @@ import pytest
 from nemo_ac.cli import main as cli
 from nemo_ac.config import ConfigError, load_recipe, validate_recipe
 from nemo_ac.models import build_model
-from nemo_ac.models.common.te_backend import apply_te_backends
+from nemo_ac.models.te_backend import apply_te_backends
 from tests.launch import RECIPES
 
 FULL = {"nemotron_super_v3_te_deepep.yaml": 64, "glm_4_5_air_cp4_ulysses.yaml": 8}

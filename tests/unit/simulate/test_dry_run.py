@@ -78,7 +78,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_fake_mode_failure_inside_a_custom_op_names_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
-    from nemo_ac.models.common import attention
+    from nemo_ac.models.layers import attention
 
     tiled = attention.ATTENTION_OPS["tiled"]
     monkeypatch.setitem(

@@ -13,12 +13,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from nemo_ac.models.common.experts import GroupedExperts
-from nemo_ac.models.common.gated_deltanet import packed_gated_delta_rule
-from nemo_ac.models.common.mamba2 import Mamba2CoreParams, mamba2_ssm
-from nemo_ac.models.common.mixer_kernels import fla_gdn, mamba_ssm_kernel
-from nemo_ac.models.common.op_flops import ops_without_formula
-from nemo_ac.models.common.packed_attention import UNBOUNDED, _pair_mask, packed_attention, visible_pairs
+from nemo_ac.models.kernels import fla_gdn
+from nemo_ac.models.kernels import mamba_ssm as mamba_ssm_kernel
+from nemo_ac.models.kernels.gated_delta_rule import packed_gated_delta_rule
+from nemo_ac.models.kernels.op_flops import ops_without_formula
+from nemo_ac.models.kernels.packed_attention import UNBOUNDED, _pair_mask, packed_attention, visible_pairs
+from nemo_ac.models.layers.experts import GroupedExperts
+from nemo_ac.models.layers.mamba2 import Mamba2CoreParams, mamba2_ssm
 from nemo_ac.simulate.counters import StepCounter
 
 
@@ -134,7 +135,7 @@ def test_sdpa_on_cpu_counts_what_torchs_cuda_formula_counts() -> None:
     run of a CUDA plan (a fake step on CPU) counted its attention as 0 FLOPs. It now counts torch's flash formula:
     4 * b * h * s_q * s_k * d forward (QK^T and PV), 2.5 times that backward (flash recomputes P). Nothing else in
     the op computes (repeat_interleave for GQA, the mask, transposes)."""
-    from nemo_ac.models.common.attention import build_attention_inputs, packed_causal_attention
+    from nemo_ac.models.layers.attention import build_attention_inputs, packed_causal_attention
 
     b, s, heads, kv_heads, d = 2, 48, 4, 2, 16
     q = torch.randn(b, s, heads, d, requires_grad=True)

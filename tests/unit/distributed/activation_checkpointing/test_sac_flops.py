@@ -19,9 +19,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from nemo_ac.config.schema import ModelConfig, MoEConfig, SelectiveACConfig
 from nemo_ac.distributed import activation_checkpointing as ac
 from nemo_ac.distributed.activation_checkpointing.policy import matmul_flops_per_byte
-from nemo_ac.models.common.attention import build_attention_inputs
-from nemo_ac.models.common.rope import RotaryEmbedding
 from nemo_ac.models.init import init_weights
+from nemo_ac.models.layers.attention import build_attention_inputs
+from nemo_ac.models.layers.rope import RotaryEmbedding
 from nemo_ac.models.qwen3_moe import DecoderLayer
 
 # Every test runs on a private copy of torch's SAC_IGNORED_OPS (the real set stays untouched).

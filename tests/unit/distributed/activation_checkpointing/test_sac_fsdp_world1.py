@@ -139,7 +139,7 @@ def _tiny_model(overrides: list[str]):
 
 
 def _model_grads(model) -> dict[str, torch.Tensor]:
-    from nemo_ac.models.common.attention import build_attention_inputs
+    from nemo_ac.models.layers.attention import build_attention_inputs
 
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 64, (2, 40), generator=gen)

@@ -18,7 +18,7 @@ from nemo_ac.distributed.activation_checkpointing import PolicyRules, SelectiveP
 from nemo_ac.distributed.activation_checkpointing.policy import matmul_flops_per_byte
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
-from nemo_ac.models.common.routing_replay import routing_replay_context
+from nemo_ac.models.layers.routing_replay import routing_replay_context
 
 # Every test runs on a private copy of torch's SAC_IGNORED_OPS (the real set stays untouched).
 pytestmark = [pytest.mark.workaround, pytest.mark.usefixtures("private_sac_ignored_ops")]

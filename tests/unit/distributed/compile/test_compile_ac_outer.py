@@ -29,8 +29,8 @@ from nemo_ac.distributed.activation_checkpointing import apply_ac
 from nemo_ac.distributed.compile import apply_compile
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.models.layers.attention import build_attention_inputs
 
 SEQ = 44  # no model dimension equals it (duck sizing would tie them)
 

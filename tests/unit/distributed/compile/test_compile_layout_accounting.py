@@ -17,8 +17,8 @@ from nemo_ac.diagnostics.recompiles import CompileAccounting, compiling_layout
 from nemo_ac.distributed.compile import apply_compile
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.models.layers.attention import build_attention_inputs
 from tests.factories import qwen3_5_config
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

@@ -22,8 +22,8 @@ from nemo_ac.distributed.parallelize import apply_plan
 from nemo_ac.distributed.plan import CompileLayout, decide_plan
 from nemo_ac.distributed.plan.layout import recompute_contexts
 from nemo_ac.models import build_model
-from nemo_ac.models.common.routing_replay import routing_replay_context
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.models.layers.routing_replay import routing_replay_context
 from nemo_ac.preflight import preflight
 from nemo_ac.workarounds.forward_thread_compile_config import forward_thread_compile_context
 from tests.factories import packed_square_loss

@@ -16,7 +16,7 @@ from nemo_ac.distributed.context_parallel.state_passing import ring_ssm
 from nemo_ac.distributed.context_parallel.ulysses import ulysses_attention, ulysses_linear_attention, ulysses_ssm
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import packed_causal_attention
+from nemo_ac.models.layers.attention import packed_causal_attention
 
 MOE = MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 

@@ -20,7 +20,7 @@ from nemo_ac.distributed.context_parallel.sharding import (
     ring_attention_inputs,
     shard_positions,
 )
-from nemo_ac.models.common.attention import document_causal_mask
+from nemo_ac.models.layers.attention import document_causal_mask
 from tests.factories import (
     RING_HD,
     emulated_ring,

@@ -11,9 +11,9 @@ import torch
 
 from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models import build_model
-from nemo_ac.models.common.attention import build_attention_inputs
 from nemo_ac.models.hf import export_hf_checkpoint, hf_config_dict, load_hf_checkpoint, read_hf_config
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.models.layers.attention import build_attention_inputs
 from tests.factories import CONFIGS, GLM_45_AIR
 
 pytest.importorskip("safetensors.torch", reason="HF checkpoint IO needs safetensors")
