@@ -41,8 +41,8 @@ import torch
 import transformers
 from torch import nn
 
+from nemo_ac.config.hf import hf_config_dict
 from nemo_ac.config.schema import ModelConfig
-from nemo_ac.models.hf import hf_config_dict
 from nemo_ac.models.init import canonical_name
 
 # kind -> why Automodel's layer gives no peer here (filled by build_automodel_peer, from the error it raised).

@@ -34,8 +34,8 @@ from torch import nn
 from transformers.integrations.moe import _can_use_grouped_mm
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 
+from nemo_ac.config.hf import hf_config_dict
 from nemo_ac.config.schema import ModelConfig
-from nemo_ac.models.hf import hf_config_dict
 from nemo_ac.models.init import canonical_name
 from nemo_ac.models.layers.attention import build_attention_inputs
 from nemo_ac.models.layers.mrope import MRotaryEmbedding

@@ -91,7 +91,9 @@ def _train(args: argparse.Namespace) -> int:
     command += ["-m", "nemo_ac.train", args.recipe, *args.overrides]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    if args.max_restarts:  # a fresh rendezvous store per attempt (see trainer.checkpoint.elastic_restart_hazard)
+    if (
+        args.max_restarts
+    ):  # a fresh rendezvous store per attempt (see workarounds.rendezvous_shared_store.elastic_restart_hazard)
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     sys.stdout.flush()
     sys.stderr.flush()
@@ -100,11 +102,11 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    """One line on stderr and exit code 2 for every failure (nemo_ac.trainer.export: nothing it reads is lost)."""
+    """One line on stderr and exit code 2 for every failure (nemo_ac.trainer.checkpoint.export: nothing it reads is lost)."""
     if args.overrides:
         print(f"nemo-ac export: takes no overrides: {' '.join(args.overrides)}", file=sys.stderr)
         return 2
-    from nemo_ac.trainer.export import export_checkpoint  # imports torch: only when the command runs
+    from nemo_ac.trainer.checkpoint.export import export_checkpoint  # imports torch: only when the command runs
 
     try:
         done = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, force=args.force)

@@ -16,13 +16,13 @@ one ``ConfigError`` (each naming its key and the fix):
    a chat template, and the tokenized corpus's cache entry is there or ``data.cache_dir`` can be written
    (``config.corpus_key``);
 5. paths: ``checkpoint.resume`` names a complete checkpoint, ``checkpoint.dir`` holds no other run's later steps
-   (``trainer.checkpoint_files.check_checkpoint_paths``), the end-of-training HF export can replace its directory
+   (``trainer.checkpoint.files.check_checkpoint_paths``), the end-of-training HF export can replace its directory
    without deleting the run, a checkpoint or unrelated files (``check_export_dir``), and the directories the run
    writes (run dir, checkpoints, HF export) can be created;
 6. with ``check_env`` (always for a run, ``--check-env`` for validate): the optional extras, CUDA, DeepEP and the
    torch.compile backend the recipe names (``config.environment``); and every tensor of a local
    ``model.pretrained``'s headers against the model built on the meta device: missing, unexpected, shape, dtype
-   (``trainer.hf_weights.check_pretrained_tensors``, the loader's own plan);
+   (``trainer.checkpoint.hf_weights.check_pretrained_tensors``, the loader's own plan);
 7. the parallel plan, always: the model built on the meta device and the plan the run would apply, decided by the
    same code ``nemo-ac validate --plan`` prints (``trainer.build.plan_recipe``). The plan is the one judge of the
    layout rules that need the model (compile_outer / fullgraph over nested FSDP units or modules Dynamo will not
@@ -47,8 +47,8 @@ from nemo_ac.config.data_files import check_data_files
 from nemo_ac.config.pretrained import check_pretrained
 from nemo_ac.config.pretrained_files import check_pretrained_files
 from nemo_ac.config.validate import ParallelLayout
-from nemo_ac.trainer.checkpoint_files import check_checkpoint_paths
-from nemo_ac.trainer.export_target import checkpoint_entry, export_dir_of, overlap, replace_refusal
+from nemo_ac.trainer.checkpoint.export_target import checkpoint_entry, export_dir_of, overlap, replace_refusal
+from nemo_ac.trainer.checkpoint.files import check_checkpoint_paths
 
 if TYPE_CHECKING:
     from nemo_ac.distributed.plan import ParallelPlan
@@ -98,7 +98,7 @@ def check_export_dir(recipe: RecipeConfig) -> list[ConfigIssue]:
     ``<checkpoint.dir>/hf``) whole, so it must not be or contain the run directory or ``checkpoint.dir`` (the same
     mistake as ``nemo-ac export RUN --out RUN``, which deleted the run's recipe, metrics and checkpoints), must not
     be a checkpoint (``step_<N>``, ``latest``, the ``checkpoint.resume`` one), and must be new, empty or an earlier
-    export (``trainer.export_target``). Found here, hours before the export would run."""
+    export (``trainer.checkpoint.export_target``). Found here, hours before the export would run."""
     config = recipe.checkpoint
     if not config.export_hf:
         return []
@@ -182,7 +182,7 @@ def preflight(
         issues += check_environment(recipe, cuda_available=cuda_available)
         issues += check_compile_backend(recipe)
         if weights_readable and recipe.model.pretrained:
-            from nemo_ac.trainer.hf_weights import check_pretrained_tensors  # torch and the model, on meta
+            from nemo_ac.trainer.checkpoint.hf_weights import check_pretrained_tensors  # torch and the model, on meta
 
             issues += check_pretrained_tensors(recipe)
     plan, plan_issues = check_plan(recipe, layout)

@@ -36,10 +36,10 @@ from nemo_ac.models import build_model, model_dtype
 from nemo_ac.preflight import preflight
 from nemo_ac.runtime import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env
 from nemo_ac.trainer.build import build_trainer, build_training
-from nemo_ac.trainer.checkpoint import Checkpointer, TrainingState
-from nemo_ac.trainer.checkpoint_files import root_of, step_dir
+from nemo_ac.trainer.checkpoint.dcp import Checkpointer, TrainingState
+from nemo_ac.trainer.checkpoint.files import root_of, step_dir
+from nemo_ac.trainer.checkpoint.hf_weights import export_final_hf
 from nemo_ac.trainer.flops import device_peak, model_flops_per_token
-from nemo_ac.trainer.hf_weights import export_final_hf
 from nemo_ac.trainer.metric_backends import build_backends
 from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics, Throughput
 from nemo_ac.trainer.progress import echo

@@ -21,10 +21,10 @@ from nemo_ac.distributed.context_parallel.ring import ring_block_update, ring_ke
 from nemo_ac.distributed.context_parallel.sharding import ring_attention_inputs, shard_positions
 from nemo_ac.models import build_model
 from nemo_ac.models.expert_bias import biased_routers
-from nemo_ac.models.hf import INDEX_FILE
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.models.interfaces import AttentionInputs
 from nemo_ac.models.layers.attention import build_attention_inputs, packed_causal_attention
+from nemo_ac.trainer.checkpoint.hf_safetensors import INDEX_FILE
 
 # --- tiny model configs ----------------------------------------------------------------------------------------
 
@@ -160,7 +160,7 @@ CONFIGS = {
 def write_hub_checkpoint(
     cfg: ModelConfig, root: Path, *, dtype: torch.dtype = torch.bfloat16, grouped: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Random weights under the Hub's names (written independently of ``nemo_ac.models.hf.io``): per-expert
+    """Random weights under the Hub's names (written independently of ``nemo_ac.trainer.checkpoint.hf_safetensors``): per-expert
     matrices unless ``grouped``, ``backbone.`` for Nemotron-H, two safetensors files plus an index. Returns
     key -> tensor."""
     import safetensors.torch

@@ -444,7 +444,7 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    """DCP checkpoints under ``dir``/step_<N>/ (see nemo_ac/trainer/checkpoint.py and docs/checkpoints.md)."""
+    """DCP checkpoints under ``dir``/step_<N>/ (see nemo_ac/trainer/checkpoint/dcp.py and docs/checkpoints.md)."""
 
     # Save (every_n_steps, at the last step, and when SIGTERM/SIGINT stops the run). Resuming works whether or not
     # this run saves. The flagship recipes turn it on; the tiny ones leave it off.

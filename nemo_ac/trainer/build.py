@@ -32,8 +32,8 @@ from nemo_ac.distributed.plan import KernelPlan, ParallelPlan, decide_plan, reci
 from nemo_ac.models import build_model
 from nemo_ac.models.freeze import freeze
 from nemo_ac.trainer.batching import make_batch_preparer
+from nemo_ac.trainer.checkpoint.hf_weights import materialize_weights
 from nemo_ac.trainer.expert_balance import expert_bias_callbacks
-from nemo_ac.trainer.hf_weights import materialize_weights
 from nemo_ac.trainer.loop import LoopOptions, Trainer
 from nemo_ac.trainer.metrics import MetricsLogger
 from nemo_ac.trainer.optim import build_optimizer, build_scheduler

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_ac.config.schema import TrainConfig
-from nemo_ac.trainer.checkpoint_files import find_latest_complete
+from nemo_ac.trainer.checkpoint.files import find_latest_complete
 
 DUPLICATE_WINDOW_S = 1.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -145,7 +145,9 @@ def test_killed_rank_under_torchrun_restarts_resumes_and_finishes(tmp_path, refe
         nproc=2,
         run_dir=run_dir,
         max_restarts=1,
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # see nemo_ac.trainer.checkpoint.elastic_restart_hazard
+        env={
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"
+        },  # see nemo_ac.workarounds.rendezvous_shared_store.elastic_restart_hazard
         overrides=[*COMMON, *checkpointing(ckpt, every=2), "train.fail_after_step=5"],
     ).check()
     assert "train.fail_after_step=5: rank 1 kills itself" in run.output

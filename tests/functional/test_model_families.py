@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from nemo_ac.config import load_recipe
-from nemo_ac.models.hf import hf_config_dict
+from nemo_ac.config.hf import hf_config_dict
 from tests.chat_data import build_tokenizer, write_chat_file
 from tests.factories import assert_bytes_equal, read_dir, write_hub_checkpoint
 from tests.launch import RECIPES, assert_close_rel, run_recipe

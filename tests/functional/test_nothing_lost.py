@@ -33,7 +33,9 @@ from tests.launch import RECIPES, ROOT, child_env
 pytestmark = pytest.mark.functional
 
 TINY = RECIPES / "tiny" / "qwen3_moe_tiny.yaml"
-EXPORT_MARKER = "nemo_ac_export.json"  # what every export writes (nemo_ac.trainer.export_target), as documented
+EXPORT_MARKER = (
+    "nemo_ac_export.json"  # what every export writes (nemo_ac.trainer.checkpoint.export_target), as documented
+)
 TWO_STEPS = ["train.steps=2", "train.warmup_steps=1", "checkpoint.enabled=true", "checkpoint.every_n_steps=1"]
 
 

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from nemo_ac.cli import main as cli
 from nemo_ac.models.layers.attention import build_attention_inputs
-from nemo_ac.trainer.export import find_checkpoint, load_checkpoint_model, recipe_of
+from nemo_ac.trainer.checkpoint.export import find_checkpoint, load_checkpoint_model, recipe_of
 from tests.launch import run_recipe
 
 pytestmark = pytest.mark.functional

@@ -26,8 +26,8 @@ from nemo_ac.cli import main as cli
 from nemo_ac.config import load_recipe
 from nemo_ac.data.text import TextBatches
 from nemo_ac.models import build_model
-from nemo_ac.models.hf import HFCheckpointError, export_hf_checkpoint, load_hf_checkpoint
 from nemo_ac.models.init import materialize_and_init
+from nemo_ac.trainer.checkpoint.hf_safetensors import HFCheckpointError, export_hf_checkpoint, load_hf_checkpoint
 from tests.launch import RECIPES, ROOT
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="HF checkpoints need safetensors")

@@ -2,7 +2,7 @@
 
 Pure (no torch): ``config.load`` reads a ``model.pretrained`` checkpoint's ``config.json`` through these mappings
 before any process group exists, so they live under ``config/`` (which may import neither ``models/`` nor torch);
-``nemo_ac.models.hf`` uses the same registry for the safetensors key mapping. Importing this package imports every
+``nemo_ac.trainer.checkpoint.hf_safetensors`` uses the same registry for the safetensors key mapping. Importing this package imports every
 family, so the registry is complete; the families import the registry, never the other way round.
 """
 

@@ -22,9 +22,9 @@ from torch.distributed.tensor import DTensor
 
 from nemo_ac.config import load_recipe, validate_recipe
 from nemo_ac.models import build_model
-from nemo_ac.models.hf.io import ReadStats, export_hf_checkpoint, load_hf_checkpoint, model_tensors
 from nemo_ac.runtime import destroy_distributed, exit_process, init_distributed
 from nemo_ac.trainer.build import build_parallel_model, choose_kernels
+from nemo_ac.trainer.checkpoint.hf_safetensors import ReadStats, export_hf_checkpoint, load_hf_checkpoint, model_tensors
 from tests.factories import read_dir
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -31,7 +31,7 @@ from nemo_ac.models.freeze import parameter_groups
 from nemo_ac.models.init import canonical_name
 from nemo_ac.runtime import destroy_distributed, exit_process, init_distributed
 from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
-from nemo_ac.trainer.checkpoint import Checkpointer, TrainingState
+from nemo_ac.trainer.checkpoint.dcp import Checkpointer, TrainingState
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "tiny" / "qwen3_6_medpix_tiny.yaml"

@@ -26,7 +26,7 @@ from nemo_ac.config import validate as validation
 from nemo_ac.config.schema import RecipeConfig
 from nemo_ac.distributed.plan.layout import layout_issues
 from nemo_ac.preflight import preflight
-from nemo_ac.trainer.checkpoint import check_checkpoint_paths
+from nemo_ac.trainer.checkpoint.files import check_checkpoint_paths
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"

@@ -16,7 +16,7 @@ from nemo_ac.cli import main as cli
 from nemo_ac.config import ConfigError, load_recipe
 from nemo_ac.config.hf import hf_config_dict
 from nemo_ac.preflight import preflight
-from nemo_ac.trainer.export_files import write_export_extras
+from nemo_ac.trainer.checkpoint.export_files import write_export_extras
 from tests.factories import CONFIGS, write_hub_checkpoint
 from tests.launch import RECIPES, ROOT
 

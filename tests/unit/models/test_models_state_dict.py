@@ -1,6 +1,6 @@
 """Every family's state-dict names, shapes, initial values and logits stay as recorded.
 
-The HF mapping (``nemo_ac.models.hf``) and DCP checkpoints address parameters by name, and
+The HF mapping (``nemo_ac.trainer.checkpoint.hf_safetensors``) and DCP checkpoints address parameters by name, and
 ``nemo_ac.models.init`` seeds each tensor from its name; a refactor of the model classes that renames, reorders
 into another module, reshapes or re-inits a parameter would load or init silently wrong. The record in
 ``data/model_state_dicts.json`` was taken from the model code before the families shared one CausalLM base;

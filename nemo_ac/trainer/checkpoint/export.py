@@ -32,11 +32,11 @@ from nemo_ac.config import recipe_from_container
 from nemo_ac.config.schema import RecipeConfig
 from nemo_ac.models import build_model, model_dtype
 from nemo_ac.models.init import materialize_and_init
-from nemo_ac.trainer import checkpoint_files as files
-from nemo_ac.trainer import export_target as target
-from nemo_ac.trainer.checkpoint import DCP_ERRORS, describe_dcp_error, structural_mismatches
-from nemo_ac.trainer.checkpoint_files import CheckpointError
-from nemo_ac.trainer.hf_weights import export_model_dir
+from nemo_ac.trainer.checkpoint import export_target as target
+from nemo_ac.trainer.checkpoint import files
+from nemo_ac.trainer.checkpoint.dcp import DCP_ERRORS, describe_dcp_error, structural_mismatches
+from nemo_ac.trainer.checkpoint.files import CheckpointError
+from nemo_ac.trainer.checkpoint.hf_weights import export_model_dir
 
 _MAX_LISTED = 3
 

@@ -1,4 +1,4 @@
-"""model.pretrained / checkpoint.export_hf in the trainer (nemo_ac/trainer/hf_weights.py): a local config.json that
+"""model.pretrained / checkpoint.export_hf in the trainer (nemo_ac/trainer/checkpoint/hf_weights.py): a local config.json that
 disagrees with the recipe is a ConfigError naming each key (before any process group), fields that change neither
 weights nor math may differ, loading replaces random init, and an export replaces the previous one atomically."""
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from nemo_ac.config import ConfigError, load_recipe
+from nemo_ac.config.hf import hf_config_dict
 from nemo_ac.config.schema import CheckpointConfig
 from nemo_ac.models import build_model
-from nemo_ac.models.hf import hf_config_dict
 from nemo_ac.models.init import materialize_and_init
-from nemo_ac.trainer.export_target import EXPORT_MARKER, is_export_dir
-from nemo_ac.trainer.hf_weights import (
+from nemo_ac.trainer.checkpoint.export_target import EXPORT_MARKER, is_export_dir
+from nemo_ac.trainer.checkpoint.hf_weights import (
     architecture_issues,
     architecture_mismatches,
     check_hf_weights,

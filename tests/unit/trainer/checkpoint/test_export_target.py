@@ -1,4 +1,4 @@
-"""Where an HF export may go (nemo_ac/trainer/export_target.py) and the preflight's check of
+"""Where an HF export may go (nemo_ac/trainer/checkpoint/export_target.py) and the preflight's check of
 ``checkpoint.export_hf_dir``: an export replaces its directory whole, so a target that is, contains or lies inside
 what is being read or kept, a non-empty directory no export wrote, or an unwritable location is refused before
 anything is loaded (measured before: ``nemo-ac export RUN --out RUN`` deleted the run's recipe, metrics and
@@ -13,7 +13,7 @@ import pytest
 
 from nemo_ac.config import load_recipe
 from nemo_ac.preflight import check_export_dir
-from nemo_ac.trainer.export_target import (
+from nemo_ac.trainer.checkpoint.export_target import (
     EXPORT_MARKER,
     checkpoint_entry,
     is_export_dir,
@@ -24,7 +24,7 @@ from nemo_ac.trainer.export_target import (
     write_blocker,
 )
 
-RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
+RECIPE = Path(__file__).resolve().parents[4] / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
 
 
 def _run(tmp_path: Path) -> Path:

@@ -43,9 +43,9 @@ from torch.distributed.tensor import DTensor
 from nemo_ac.config.hf import HFFamily, hf_config_dict, hf_family
 from nemo_ac.config.pretrained_files import FLOAT_DTYPES, INDEX_FILE, TensorHeader, checkpoint_headers
 from nemo_ac.config.schema import ModelConfig
-from nemo_ac.models.hf.sharded_io import ReadStats, gather_to_writer, local_region
 from nemo_ac.models.init import canonical_name, copy_full_into, to_empty_placed
 from nemo_ac.models.layers.experts import GroupedExperts
+from nemo_ac.trainer.checkpoint.hf_sharded_io import ReadStats, gather_to_writer, local_region
 
 _TORCH_DTYPES = {
     "F64": torch.float64,

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from nemo_ac.config.schema import CheckpointConfig
-from nemo_ac.trainer import checkpoint_files as files
-from nemo_ac.trainer.checkpoint import check_checkpoint_paths
-from nemo_ac.trainer.checkpoint_files import CheckpointError
+from nemo_ac.trainer.checkpoint import files
+from nemo_ac.trainer.checkpoint.files import CheckpointError, check_checkpoint_paths
 
 
 def fake_save(root: Path, step: int, *, payload: bytes = b"shard-bytes") -> Path:

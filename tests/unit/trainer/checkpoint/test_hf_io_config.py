@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from nemo_ac.config.hf import hf_config_dict, read_hf_config
 from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models import build_model
-from nemo_ac.models.hf import export_hf_checkpoint, hf_config_dict, load_hf_checkpoint, read_hf_config
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.models.layers.attention import build_attention_inputs
+from nemo_ac.trainer.checkpoint.hf_safetensors import export_hf_checkpoint, load_hf_checkpoint
 from tests.factories import CONFIGS, GLM_45_AIR
 
 pytest.importorskip("safetensors.torch", reason="HF checkpoint IO needs safetensors")

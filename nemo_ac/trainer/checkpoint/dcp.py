@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from nemo_ac.config.schema import CheckpointConfig
-from nemo_ac.trainer import checkpoint_files as files
-from nemo_ac.trainer.checkpoint_files import CheckpointError, check_checkpoint_paths
+from nemo_ac.trainer.checkpoint import files
+from nemo_ac.trainer.checkpoint.files import CheckpointError, check_checkpoint_paths
 from nemo_ac.trainer.optim import builtin_lr, rebase_schedule, schedule_changes
 from nemo_ac.trainer.progress import echo
 

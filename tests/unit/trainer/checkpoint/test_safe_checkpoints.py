@@ -10,11 +10,11 @@ import torch
 
 from nemo_ac.config import load_recipe, to_dict, validate_recipe
 from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
-from nemo_ac.trainer.checkpoint import Checkpointer, CheckpointWarning, TrainingState
+from nemo_ac.trainer.checkpoint.dcp import Checkpointer, CheckpointWarning, TrainingState
 from nemo_ac.trainer.metrics import MetricsLogger, StepMetrics, step_records
 from nemo_ac.trainer.optim import builtin_lr
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 TINY = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
 FLAGSHIPS = sorted((ROOT / "recipes").glob("*.yaml"))
 CPU = torch.device("cpu")

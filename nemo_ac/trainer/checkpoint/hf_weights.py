@@ -10,8 +10,8 @@ have been filled from a shipped snapshot or a cached copy. Fields that change ne
 Export (``export_final_hf``) writes into ``.<dir>.partial`` and renames it over ``<dir>`` only when complete, so a
 crash never leaves a directory that mixes two exports' shards; a failure removes the ``.partial`` and leaves the
 previous export as it was. Tokenizer / processor files and generation_config.json come along
-(``nemo_ac.trainer.export_files``), and ``nemo_ac_export.json`` marks the directory as an export, which a later one
-may replace (``nemo_ac.trainer.export_target``: where an export may go; the preflight checks
+(``nemo_ac.trainer.checkpoint.export_files``), and ``nemo_ac_export.json`` marks the directory as an export, which a later one
+may replace (``nemo_ac.trainer.checkpoint.export_target``: where an export may go; the preflight checks
 ``checkpoint.export_hf_dir`` against it).
 """
 
@@ -25,17 +25,22 @@ import torch.distributed as dist
 from torch import nn
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.config.hf import read_hf_config
 from nemo_ac.config.pretrained import architecture_mismatches, check_pretrained, mismatch_issues
 from nemo_ac.config.pretrained_files import local_pretrained_dir
 from nemo_ac.config.schema import CheckpointConfig, ModelConfig, RecipeConfig
 from nemo_ac.models import build_model, model_dtype
-from nemo_ac.models.hf import export_hf_checkpoint, materialize_and_load, read_hf_config, resolve_pretrained
-from nemo_ac.models.hf.io import checkpoint_problems
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.runtime import once_per_node
-from nemo_ac.trainer.checkpoint_files import root_of
-from nemo_ac.trainer.export_files import write_export_extras
-from nemo_ac.trainer.export_target import EXPORT_MARKER, marker_text, partial_of, swap_in
+from nemo_ac.trainer.checkpoint.export_files import write_export_extras
+from nemo_ac.trainer.checkpoint.export_target import EXPORT_MARKER, marker_text, partial_of, swap_in
+from nemo_ac.trainer.checkpoint.files import root_of
+from nemo_ac.trainer.checkpoint.hf_safetensors import (
+    checkpoint_problems,
+    export_hf_checkpoint,
+    materialize_and_load,
+    resolve_pretrained,
+)
 
 __all__ = [
     "architecture_issues",
@@ -71,7 +76,7 @@ MAX_LISTED = 20  # tensor problems listed one per line; the rest counted
 def check_pretrained_tensors(recipe: RecipeConfig) -> list[ConfigIssue]:
     """The preflight's environment step (imports torch, starts no process group): every tensor in a local
     ``model.pretrained``'s safetensors headers against the model built on the meta device, by the loader's own plan
-    (``models.hf.io.checkpoint_problems``: missing, unexpected, mis-shaped, mis-typed keys, in the words the load
+    (``trainer.checkpoint.hf_safetensors.checkpoint_problems``: missing, unexpected, mis-shaped, mis-typed keys, in the words the load
     would use). Before, these failed only after the process group, the build and the parallelization, on the way
     into a weight load. A Hub id is skipped (no network here); the load checks its files after the download."""
     root = local_pretrained_dir(recipe)

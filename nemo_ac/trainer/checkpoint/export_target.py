@@ -8,7 +8,7 @@ sees a half-written export). Replacing the wrong directory loses data, as measur
 - an ``--out`` holding unrelated files was emptied silently (exit 0);
 - a read-only ``--out`` ended in an ``OSError`` traceback about ``.hf.partial`` after the weights were loaded.
 
-The rules, shared by ``nemo-ac export`` (``trainer.export``) and the end-of-training export's preflight
+The rules, shared by ``nemo-ac export`` (``trainer.checkpoint.export``) and the end-of-training export's preflight
 (``checkpoint.export_hf_dir``, ``nemo_ac.preflight``):
 
 1. the target is not, does not contain and (for ``nemo-ac export``) does not lie inside a directory being read or

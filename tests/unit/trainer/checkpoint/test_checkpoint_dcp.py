@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_ac.config import load_recipe, to_dict, validate_recipe
 from nemo_ac.config.schema import CheckpointConfig
-from nemo_ac.trainer import checkpoint_files as files
 from nemo_ac.trainer.build import build_trainer, build_training, quiet_logger
-from nemo_ac.trainer.checkpoint import (
+from nemo_ac.trainer.checkpoint import files
+from nemo_ac.trainer.checkpoint.dcp import (
     DCP_ERRORS,
     Checkpointer,
     CheckpointError,
@@ -31,7 +31,7 @@ from nemo_ac.trainer.checkpoint import (
 )
 from nemo_ac.trainer.loop import Trainer
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 TINY = ROOT / "recipes" / "tiny" / "qwen3_moe_tiny.yaml"
 SMALL = ["data.seq_len=40", "train.global_batch_size=2", "train.micro_batch_size=2", "train.steps=4"]
 CPU = torch.device("cpu")

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models import build_model
-from nemo_ac.models.hf import (
+from nemo_ac.models.init import materialize_and_init
+from nemo_ac.trainer.checkpoint.hf_safetensors import (
     INDEX_FILE,
     HFCheckpointError,
     export_hf_checkpoint,
@@ -20,7 +21,6 @@ from nemo_ac.models.hf import (
     materialize_and_load,
     resolve_pretrained,
 )
-from nemo_ac.models.init import materialize_and_init
 from tests.factories import CONFIGS, assert_bytes_equal, glm_config, nemotron_config, read_dir, write_hub_checkpoint
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="HF checkpoint IO needs safetensors")
