@@ -1,6 +1,6 @@
 """``GlooDeepEPBufferStandIn``: a STAND-IN for DeepEP's ``deep_ep.Buffer``, not DeepEP. It implements the Buffer's
 documented dispatch / combine semantics with gloo ``all_to_all_single`` (uneven split sizes) so the DeepEP adapter
-(``nemo_ac.distributed.deepep_dispatcher`` + ``deepep_ops``) can be tested on CPU: its routing, its gradients
+(``distributed.expert_parallel.deepep_dispatcher`` + ``deepep_ops``) can be tested on CPU: its routing, its gradients
 against ``backend.dispatcher: torch``, and how often a recompute communicates. It says nothing about DeepEP's kernels,
 speed or memory; those need a multi-GPU run with the real library.
 

@@ -8,7 +8,7 @@ FLOPs per byte of output held (``matmul_flops_per_byte``: a bf16 projection out 
 outputs and the router's ``nemo_ac::select_experts`` (``models.layers.routing_replay``, which also covers full AC and
 compiled regions), so the recompute routes every token to the same experts (with ``tokens_per_expert.tolist()`` in the
 experts loop a different routing would change the op stream itself); outputs of functional collectives (all-to-all,
-reduce-scatter, all-gather; DeepEP's dispatch / combine, ``nemo_ac.distributed.deepep_ops``), so the recompute does
+reduce-scatter, all-gather; DeepEP's dispatch / combine, ``expert_parallel.deepep_ops``), so the recompute does
 not communicate again. Never saved: an op that mutates an input (``aten.copy_``, ``scatter_``, FSDP's copy-out):
 replaying a cached result skips the mutation, e.g. ``inverse_permutation``'s ``inv.scatter_`` or FSDP filling
 unsharded parameters.
@@ -28,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.diagnostics.sac_explain import DecisionLog
-from nemo_ac.distributed import deepep_ops as _registers_deepep_ops  # noqa: F401  (torch.ops.nemo_ac.deepep_*)
+from nemo_ac.distributed.expert_parallel import deepep_ops as _registers_deepep_ops  # noqa: F401  (nemo_ac::deepep_*)
 from nemo_ac.models import mixer_kernels as _registers_mixer_kernel_ops  # noqa: F401  (fla / mamba_ssm)
 from nemo_ac.models.kernels import packed_attention as _registers_packed_attention_op  # noqa: F401
 from nemo_ac.models.layers import routing_replay as _registers_select_experts_op  # noqa: F401
@@ -82,7 +82,7 @@ _COMMUNICATION = (
     "_c10d_functional_autograd::all_to_all_single",
     "_c10d_functional_autograd::reduce_scatter_tensor",
     "_c10d_functional_autograd::all_gather_into_tensor",
-    # DeepEP's dispatch / combine (nemo_ac.distributed.deepep_ops; DeepEP itself registers no torch ops).
+    # DeepEP's dispatch / combine (expert_parallel.deepep_ops; DeepEP itself registers no torch ops).
     "nemo_ac::deepep_dispatch",
     "nemo_ac::deepep_combine",
 )

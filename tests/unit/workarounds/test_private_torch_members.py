@@ -39,7 +39,7 @@ ALLOWED_MEMBERS: dict[str, str] = {
     "_schema": "OpOverload._schema: an op's schema (which arguments it mutates), as torch's own dispatch modes read it "
     "(torch.utils._python_dispatch, FakeTensorMode); no public accessor",
     "_name": "CustomOpDef._name: the qualified name of an op made with torch.library.custom_op, to look it up in "
-    "torch.ops (nemo_ac/distributed/deepep_ops.py); no public accessor",
+    "torch.ops (nemo_ac/distributed/expert_parallel/deepep_ops.py); no public accessor",
     "_base": "Tensor._base: the tensor a view was made from (offloading leaves views of parameters in place); no "
     "public accessor",
     "_buffers": "nn.Module._buffers: a module's own buffers in registration order, None slots included, which "

@@ -22,13 +22,13 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from nemo_ac.config.schema import SelectiveACConfig
-from nemo_ac.distributed import deepep_ops
 from nemo_ac.distributed.activation_checkpointing import (
     PolicyRules,
     SelectivePolicy,
     sac_region_context_fn,
 )
-from nemo_ac.distributed.deepep_dispatcher import DeepEPDispatcher
+from nemo_ac.distributed.expert_parallel import deepep_ops
+from nemo_ac.distributed.expert_parallel.deepep_dispatcher import DeepEPDispatcher
 from nemo_ac.models.kernels.dispatch import LocalDispatcher
 from nemo_ac.models.layers.experts import GroupedExperts
 from nemo_ac.workarounds.compiled_regions_under_sac import ac_outer_compile_kwargs

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nemo_ac.config.deepep import DEEPEP_INSTALL
 from nemo_ac.config.errors import ConfigError, ConfigIssue
-from nemo_ac.distributed import deepep_ops
+from nemo_ac.distributed.expert_parallel import deepep_ops
 from nemo_ac.models.kernels.dispatch import permute_tokens, sort_by_expert
 
 

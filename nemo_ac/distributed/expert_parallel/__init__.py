@@ -15,8 +15,9 @@ are two dims of one view of the root mesh, as FSDP2 requires of a DTensor parame
 
 The differentiable all-to-all is torch's functional-collective autograd op, so its backward is the reverse
 all-to-all and torch.compile can trace it (a graph node, not a Python call on a process group).
-``backend.dispatcher: deepep`` is in ``nemo_ac.distributed.deepep_dispatcher`` (CUDA only, imported lazily); its
-communication runs in the custom ops of ``nemo_ac.distributed.deepep_ops``.
+``backend.dispatcher: deepep`` is this package's ``deepep_dispatcher`` (CUDA only, imported lazily); its communication
+runs in the custom ops of ``deepep_ops``. Expert parallel is a package like activation checkpointing and context
+parallel: what ``apply_ep`` installs lives beside it.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def build_dispatcher(
         collective_group = shared_group_name(group, role="ep") if shared_group_names else None
         return AllToAllDispatcher(group=group, num_experts=num_experts, collective_group=collective_group)
     if kind == "deepep":
-        from nemo_ac.distributed.deepep_dispatcher import DeepEPDispatcher
+        from nemo_ac.distributed.expert_parallel.deepep_dispatcher import DeepEPDispatcher
 
         return DeepEPDispatcher(
             group=ep_mesh.get_group(),
