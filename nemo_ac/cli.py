@@ -102,7 +102,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    """One line on stderr and exit code 2 for every failure (nemo_ac.trainer.checkpoint.export: nothing it reads is lost)."""
+    """One line on stderr and exit code 2 for every failure (trainer.checkpoint.export: nothing it reads is lost)."""
     if args.overrides:
         print(f"nemo-ac export: takes no overrides: {' '.join(args.overrides)}", file=sys.stderr)
         return 2

@@ -160,7 +160,7 @@ CONFIGS = {
 def write_hub_checkpoint(
     cfg: ModelConfig, root: Path, *, dtype: torch.dtype = torch.bfloat16, grouped: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Random weights under the Hub's names (written independently of ``nemo_ac.trainer.checkpoint.hf_safetensors``): per-expert
+    """Random weights under the Hub's names (written independently of ``trainer.checkpoint.hf_safetensors``): per-expert
     matrices unless ``grouped``, ``backbone.`` for Nemotron-H, two safetensors files plus an index. Returns
     key -> tensor."""
     import safetensors.torch

@@ -5,8 +5,9 @@ Why here, pure and without torch: the loader opened the files only after the pro
 the parallelization, and a damaged file then failed as ``SafetensorError: Error while deserializing header:
 incomplete metadata, file not fully covered``, naming no file. The preflight (``nemo_ac.preflight``) now reads
 every header before anything starts (kilobytes per file, however large the tensors) and names the file, the byte
-and the fix; the loader plans from the same headers (``trainer.checkpoint.hf_safetensors``), so both report a problem in the same words.
-A Hub id is not read here (that would need the network): its files are checked when the run has downloaded them.
+and the fix; the loader plans from the same headers (``trainer.checkpoint.hf_safetensors``), so both report a problem in
+the same words. A Hub id is not read here (that would need the network): its files are checked when the run has
+downloaded them.
 
 What a header must hold (the safetensors format): ``u64`` little-endian ``N``, then ``N`` bytes of UTF-8 JSON
 mapping every tensor name to ``{dtype, shape, data_offsets: [begin, end]}`` (plus an optional ``__metadata__``),

@@ -2,8 +2,9 @@
 
 ``NemotronHForCausalLM.state_dict()`` keys equal transformers 5.18's ``NemotronHForCausalLM``: model.embeddings,
 model.layers.N.norm, model.layers.N.mixer.*, model.norm_f, lm_head. (Hub checkpoints say ``backbone.`` where
-transformers says ``model.``; ``nemo_ac.trainer.checkpoint.hf_safetensors`` renames both ways.) Each layer is ONE pre-norm residual block
-``h + mixer(norm(h))`` whose mixer is chosen by ``ModelConfig.layer_pattern`` (HF ``hybrid_override_pattern``):
+transformers says ``model.``; ``nemo_ac.trainer.checkpoint.hf_safetensors`` renames both ways.) Each layer is ONE
+pre-norm residual block ``h + mixer(norm(h))`` whose mixer is chosen by ``ModelConfig.layer_pattern`` (HF
+``hybrid_override_pattern``):
 
     M  Mamba-2 mixer            (``nemo_ac.models.layers.mamba2.Mamba2Mixer``, swappable ``ssm_op``)
     *  attention, no RoPE       (``Attention`` with ``rope=None``; no qk-norm, no biases, swappable ``attn_op``)

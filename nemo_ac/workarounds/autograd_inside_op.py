@@ -15,10 +15,10 @@ with::
 current include set and the exclude set minus the autograd keys) and restores the thread's sets on exit.
 Relies on: torch._C._ForceDispatchKeyGuard and the thread's dispatch key sets (lifting the autograd exclusion torch
 sets around a custom op's body).
-Torch versions: checked on 2.13 eagerly, under aot_eager and under inductor (``tests/unit/models/kernels/test_mixer_kernels.py``);
-nemo_ac supports 2.12 - 2.15 (``workarounds.gates``); ``nemo-ac doctor`` (check ``autograd_inside_op``) runs a custom
-op whose body needs it, without and with it, on the installed torch.
-Upstream: none filed.
+Torch versions: checked on 2.13 eagerly, under aot_eager and under inductor
+(``tests/unit/models/kernels/test_mixer_kernels.py``); nemo_ac supports 2.12 - 2.15 (``workarounds.gates``); ``nemo-ac
+doctor`` (check ``autograd_inside_op``) runs a custom op whose body needs it, without and with it, on the installed
+torch. Upstream: none filed.
 Delete when: the kernels' backward is called directly (fla's ``chunk_gated_delta_rule_bwd``, mamba-ssm's
 ``_mamba_chunk_scan_combined_bwd``: private, version-specific signatures), or when torch.library offers a public way.
 """

@@ -2,8 +2,8 @@
 
 Pure (no torch): ``config.load`` reads a ``model.pretrained`` checkpoint's ``config.json`` through these mappings
 before any process group exists, so they live under ``config/`` (which may import neither ``models/`` nor torch);
-``nemo_ac.trainer.checkpoint.hf_safetensors`` uses the same registry for the safetensors key mapping. Importing this package imports every
-family, so the registry is complete; the families import the registry, never the other way round.
+``nemo_ac.trainer.checkpoint.hf_safetensors`` uses the same registry for the safetensors key mapping. Importing this
+package imports every family, so the registry is complete; the families import the registry, never the other way round.
 """
 
 from __future__ import annotations

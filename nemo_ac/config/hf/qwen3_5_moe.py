@@ -3,8 +3,8 @@
 The Hub config nests the text decoder under ``text_config`` and the vision tower under ``vision_config``; token
 ids of the image placeholder and the vision start / end markers sit at the top level. Checkpoint keys need no
 renaming (``model.language_model.*``, ``model.visual.*``, ``lm_head.weight``; routed experts per expert, which
-``nemo_ac.trainer.checkpoint.hf_safetensors`` groups). The multi-token-prediction head (``mtp.*``, ``text_config.mtp_num_hidden_layers``)
-is not part of the model and is skipped on load.
+``nemo_ac.trainer.checkpoint.hf_safetensors`` groups). The multi-token-prediction head (``mtp.*``,
+``text_config.mtp_num_hidden_layers``) is not part of the model and is skipped on load.
 
 Fixed by the architecture (transformers' ``Qwen3_5Moe*`` has no switch for them): softmax router with normalized
 top-k, a sigmoid-gated shared expert, gated attention with q/k norms, every decoder layer MoE. A config that asks for

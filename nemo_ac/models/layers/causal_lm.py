@@ -3,8 +3,8 @@ embedding) under ``model`` and an ``lm_head``, with the parallelizer's contract 
 
 Families differ in their layers, norms, positional encoding and in transformers' names for the embedding and the
 final norm (``embed_tokens`` / ``norm``; Nemotron-H: ``embeddings`` / ``norm_f``); those names are the state-dict
-keys HF checkpoints, ``nemo_ac.trainer.checkpoint.hf_safetensors`` and DCP checkpoints use, and ``nemo_ac.models.init`` seeds each tensor
-from its name, so a family passes them rather than this module choosing one spelling.
+keys HF checkpoints, ``nemo_ac.trainer.checkpoint.hf_safetensors`` and DCP checkpoints use, and ``nemo_ac.models.init``
+seeds each tensor from its name, so a family passes them rather than this module choosing one spelling.
 """
 
 from __future__ import annotations

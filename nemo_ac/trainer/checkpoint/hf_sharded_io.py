@@ -1,9 +1,9 @@
 """Which part of a sharded tensor this rank holds, as a box of the global tensor, and moving only that part: the
 bytes a rank reads from a safetensors file (``ReadStats``), and the shards it sends rank 0 on export.
 
-Used by ``nemo_ac.trainer.checkpoint.hf_safetensors``: loading reads each tensor's box with safetensors' lazy ``get_slice`` instead of the
-whole tensor on every rank, and export gathers each tensor's shards on rank 0 instead of all-gathering it
-everywhere.
+Used by ``nemo_ac.trainer.checkpoint.hf_safetensors``: loading reads each tensor's box with safetensors' lazy
+``get_slice`` instead of the whole tensor on every rank, and export gathers each tensor's shards on rank 0 instead of
+all-gathering it everywhere.
 """
 
 from __future__ import annotations

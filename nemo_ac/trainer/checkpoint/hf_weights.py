@@ -10,8 +10,8 @@ have been filled from a shipped snapshot or a cached copy. Fields that change ne
 Export (``export_final_hf``) writes into ``.<dir>.partial`` and renames it over ``<dir>`` only when complete, so a
 crash never leaves a directory that mixes two exports' shards; a failure removes the ``.partial`` and leaves the
 previous export as it was. Tokenizer / processor files and generation_config.json come along
-(``nemo_ac.trainer.checkpoint.export_files``), and ``nemo_ac_export.json`` marks the directory as an export, which a later one
-may replace (``nemo_ac.trainer.checkpoint.export_target``: where an export may go; the preflight checks
+(``nemo_ac.trainer.checkpoint.export_files``), and ``nemo_ac_export.json`` marks the directory as an export, which a
+later one may replace (``nemo_ac.trainer.checkpoint.export_target``: where an export may go; the preflight checks
 ``checkpoint.export_hf_dir`` against it).
 """
 
@@ -76,9 +76,9 @@ MAX_LISTED = 20  # tensor problems listed one per line; the rest counted
 def check_pretrained_tensors(recipe: RecipeConfig) -> list[ConfigIssue]:
     """The preflight's environment step (imports torch, starts no process group): every tensor in a local
     ``model.pretrained``'s safetensors headers against the model built on the meta device, by the loader's own plan
-    (``trainer.checkpoint.hf_safetensors.checkpoint_problems``: missing, unexpected, mis-shaped, mis-typed keys, in the words the load
-    would use). Before, these failed only after the process group, the build and the parallelization, on the way
-    into a weight load. A Hub id is skipped (no network here); the load checks its files after the download."""
+    (``trainer.checkpoint.hf_safetensors.checkpoint_problems``: missing, unexpected, mis-shaped, mis-typed keys, in the
+    words the load would use). Before, these failed only after the process group, the build and the parallelization, on
+    the way into a weight load. A Hub id is skipped (no network here); the load checks its files after the download."""
     root = local_pretrained_dir(recipe)
     if root is None:
         return []

@@ -1,4 +1,4 @@
-"""model.pretrained / checkpoint.export_hf in the trainer (nemo_ac/trainer/checkpoint/hf_weights.py): a local config.json that
+"""model.pretrained / checkpoint.export_hf in the trainer (trainer/checkpoint/hf_weights.py): a local config.json that
 disagrees with the recipe is a ConfigError naming each key (before any process group), fields that change neither
 weights nor math may differ, loading replaces random init, and an export replaces the previous one atomically."""
 
