@@ -1,14 +1,22 @@
-"""What each model family can build, checked on the recipe alone (no torch, no models/ import).
+"""What a model family declares to the recipe rules: ``FamilyRules``, one per family, checked on the recipe alone (no
+torch, no models/ import).
+
+Each family declares its rules beside its ``config.json`` mapping, in its own module of ``nemo_ac.config.hf``
+(``register_family_rules``), and the rules ask the declaration instead of switching on family names: which
+settings the family cannot build (``problems``), its ``layer_pattern`` characters, the ``ModelConfig`` sections
+only it reads, its recurrent sequence mixers (what context parallel splits and carries over) and whether it has a
+vision tower. A family is added by its own model module and its ``config/hf`` module; no rule is edited.
 
 The model builders (``nemo_ac.models.glm4_moe`` / ``nemotron_h``) raise on the same problems, but only after a
-process group exists; ``config.validate`` calls ``family_problems`` so a recipe that asks GLM-4.5 for a softmax
-router, or Nemotron-H for qk-norm, fails before anything starts, with the key and the value that works. Settings
-are rejected rather than silently overridden: a recipe that says ``score_func: softmax`` for GLM would otherwise
-train another model than it describes.
+process group exists; ``config.rules_model`` asks ``problems`` so a recipe that asks GLM-4.5 for a softmax router,
+or Nemotron-H for qk-norm, fails before anything starts, with the key and the value that works. Settings are
+rejected rather than silently overridden: a recipe that says ``score_func: softmax`` for GLM would otherwise train
+another model than it describes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +45,7 @@ class FamilyProblem:
         return f"set {self.key}: {self.want}"
 
 
-def _needs(cfg: ModelConfig, family: str, needs: dict[str, tuple[Any, Any]], why: str) -> list[FamilyProblem]:
+def family_needs(cfg: ModelConfig, family: str, needs: dict[str, tuple[Any, Any]], why: str) -> list[FamilyProblem]:
     return [
         FamilyProblem(f"model.{key}", got, want, f"family {family}: {why}")
         for key, (got, want) in needs.items()
@@ -45,74 +53,49 @@ def _needs(cfg: ModelConfig, family: str, needs: dict[str, tuple[Any, Any]], why
     ]
 
 
-def _absent(family: str, options: dict[str, Any]) -> list[FamilyProblem]:
+def family_lacks(family: str, options: dict[str, Any]) -> list[FamilyProblem]:
     return [FamilyProblem(f"model.{key}", value, None, f"not in {family}") for key, value in options.items() if value]
 
 
-def glm4_moe_problems(cfg: ModelConfig) -> list[FamilyProblem]:
-    """GLM-4.5's router is always sigmoid with a score-correction bias and SwiGLU experts (transformers' Glm4Moe
-    has no other mode); options of other families do not exist in it."""
-    moe = cfg.moe
-    needs = {
-        "moe.score_func": (moe.score_func, "sigmoid"),
-        "moe.score_correction_bias": (moe.score_correction_bias, True),
-        "moe.activation": (moe.activation, "silu"),
-    }
-    problems = _needs(cfg, "glm4_moe", needs, "transformers' Glm4Moe router/experts have no other mode")
-    return problems + _absent(
-        "glm4_moe",
-        {
-            "attn_output_gate": cfg.attn_output_gate,
-            "layer_pattern": cfg.layer_pattern,
-            "moe.latent_size": moe.latent_size,
-            "moe.shared_expert_gate": moe.shared_expert_gate,
-            "mlp_bias": cfg.mlp_bias,
-        },
-    )
+@dataclass(frozen=True)
+class HeadGroup:
+    """Heads (or head groups) of a recurrent mixer that Ulysses context parallel splits over the ``cp`` ranks."""
+
+    key: str  # model.<key>
+    count: int
+    # None: must divide evenly over cp; else what is replicated when fewer than cp ("B/C groups").
+    replicated_when_fewer: str | None = None
 
 
-def nemotron_h_problems(cfg: ModelConfig) -> list[FamilyProblem]:
-    """Nemotron-H attention has no rope, qk-norm or bias; its MoE is sigmoid + correction bias with squared-ReLU
-    experts and always-on shared experts; layer types come from ``layer_pattern`` only (its characters and length
-    are checked by ``rules_model.check_model_shape``; the builder re-checks them)."""
-    moe = cfg.moe
-    problems = []
-    if not cfg.layer_pattern:
-        problems.append(
-            FamilyProblem(
-                "model.layer_pattern",
-                "",
-                None,
-                "family nemotron_h needs its hybrid_override_pattern, one of M * E - per layer, e.g. 'ME*E'",
-            )
-        )
-    needs = {
-        "moe.score_func": (moe.score_func, "sigmoid"),
-        "moe.score_correction_bias": (moe.score_correction_bias, True),
-        "moe.activation": (moe.activation, "relu2"),
-        "qk_norm": (cfg.qk_norm, False),
-        "attention_bias": (cfg.attention_bias, False),
-        "first_k_dense_replace": (cfg.first_k_dense_replace, 0),
-        "attn_output_gate": (cfg.attn_output_gate, False),
-        "moe.shared_expert_gate": (moe.shared_expert_gate, False),
-    }
-    problems += _needs(cfg, "nemotron_h", needs, "transformers' NemotronH has no other mode")
-    if "E" in cfg.layer_pattern and moe.shared_expert_intermediate_size <= 0:
-        problems.append(
-            FamilyProblem(
-                "model.moe.shared_expert_intermediate_size",
-                moe.shared_expert_intermediate_size,
-                None,
-                "Nemotron-H MoE layers always have shared experts; set it > 0 (HF moe_shared_expert_intermediate_size)",
-            )
-        )
-    return problems
+@dataclass(frozen=True)
+class RecurrentMixer:
+    """A recurrent sequence mixer, as the context-parallel rules see it: ring CP carries its state and its conv's
+    ``conv_kernel - 1`` halo tokens from the previous slice; Ulysses splits its heads."""
+
+    name: str  # "Gated DeltaNet", in messages
+    backend_key: str  # backend.<key> picks its kernel
+    conv_kernel: int
+    head_groups: tuple[HeadGroup, ...]
 
 
-_CHECKS = {"glm4_moe": glm4_moe_problems, "nemotron_h": nemotron_h_problems}
+def _no_problems(cfg: ModelConfig) -> list[FamilyProblem]:
+    return []
 
 
-def family_problems(cfg: ModelConfig) -> list[FamilyProblem]:
-    """Everything in ``cfg`` its family cannot build (empty for fine configs and families without a check)."""
-    check = _CHECKS.get(cfg.family)
-    return check(cfg) if check is not None else []
+def _no_recurrent_mixers(cfg: ModelConfig) -> tuple[RecurrentMixer, ...]:
+    return ()
+
+
+@dataclass(frozen=True)
+class FamilyRules:
+    """What one family declares to the recipe rules (defaults: a plain decoder with nothing of its own)."""
+
+    family: str
+    # Everything in a ModelConfig the family cannot build (the builder raises on the same).
+    problems: Callable[[ModelConfig], list[FamilyProblem]] = _no_problems
+    # The model.layer_pattern characters the family takes ("": it takes no layer_pattern).
+    layer_pattern_chars: str = ""
+    # ModelConfig sections only this family reads (model.pretrained compares them for it alone).
+    sections: tuple[str, ...] = ()
+    recurrent_mixers: Callable[[ModelConfig], tuple[RecurrentMixer, ...]] = _no_recurrent_mixers
+    vision: bool = False  # a vision tower (model.vision); image data and freeze.vision_* need it

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
-from nemo_ac.config.hf import HF_FAMILIES, read_hf_config_dict
+from nemo_ac.config.hf import FAMILY_RULES, HF_FAMILIES, family_rules, read_hf_config_dict
 from nemo_ac.config.recipes import recipes_root
 from nemo_ac.config.schema import ModelConfig, RecipeConfig
 
@@ -62,8 +62,6 @@ MAY_DIFFER = NOT_FROM_CONFIG | {
     "mamba.time_step_max",
     "mamba.time_step_floor",
 }
-# Sections only one family reads; elsewhere they keep their defaults and are neither noted nor compared.
-FAMILY_SECTIONS = {"mamba": "nemotron_h", "linear_attention": "qwen3_5_moe", "vision": "qwen3_5_moe"}
 
 
 @dataclass(frozen=True)
@@ -190,7 +188,11 @@ def _deep_update(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]
 
 
 def _family_reads(key: str, family: str) -> bool:
-    return FAMILY_SECTIONS.get(key.split(".", 1)[0], family) == family
+    """Sections a family declares as its own (``FamilyRules.sections``) are read by that family alone; elsewhere
+    they keep their defaults and are neither noted nor compared."""
+    section = key.split(".", 1)[0]
+    owned = any(section in rules.sections for rules in FAMILY_RULES.values())
+    return not owned or section in family_rules(family).sections
 
 
 def fill_model_section(model: dict[str, Any], notes: list[str] | None = None) -> dict[str, Any]:

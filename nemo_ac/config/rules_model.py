@@ -7,11 +7,8 @@ naming the key, the bad value and what would work.
 from __future__ import annotations
 
 from nemo_ac.config.errors import ConfigIssue
-from nemo_ac.config.families import family_problems
+from nemo_ac.config.hf import family_rules
 from nemo_ac.config.schema import RecipeConfig
-
-# The layer_pattern characters each hybrid family accepts.
-_LAYER_PATTERN_CHARS = {"nemotron_h": set("M*E-"), "qwen3_5_moe": set("LA")}
 
 
 def check_experts(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
@@ -113,9 +110,9 @@ def check_model_shape(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue
         )
     if not 0.0 < m.partial_rotary_factor <= 1.0:
         issues.append(ConfigIssue("model.partial_rotary_factor", f"{m.partial_rotary_factor} must be in (0, 1]"))
-    allowed = _LAYER_PATTERN_CHARS.get(m.family)
+    allowed = set(family_rules(m.family).layer_pattern_chars)
     if m.layer_pattern:
-        if allowed is None:
+        if not allowed:
             issues.append(ConfigIssue("model.layer_pattern", f"family {m.family!r} takes no layer_pattern"))
         elif set(m.layer_pattern) - allowed:
             issues.append(
@@ -136,10 +133,10 @@ def check_model_shape(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue
 
 
 def check_model_family(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
-    """Settings the model family cannot build (``config.families``: the same rules the builders apply)."""
+    """Settings the model family cannot build (its ``FamilyRules.problems``: the same rules the builder applies)."""
     return [
         ConfigIssue(problem.key, f"{problem.value!r}: {problem.reason}; {problem.fix()}")
-        for problem in family_problems(recipe.model)
+        for problem in family_rules(recipe.model.family).problems(recipe.model)
     ]
 
 
@@ -163,7 +160,7 @@ def check_data(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
                 ConfigIssue("data.pad_multiple", f"{d.pad_multiple} must be >= 1 and divide seq_len={d.seq_len}")
             )
     elif d.kind == "medpix":
-        if m.family != "qwen3_5_moe":
+        if not family_rules(m.family).vision:
             issues.append(
                 ConfigIssue(
                     "data.kind", f"medpix is a vision-language dataset; model.family {m.family!r} has no vision"
@@ -224,10 +221,10 @@ def _tiny_tokenizer_issues(recipe: RecipeConfig) -> list[ConfigIssue]:
 
 
 def check_vision_language(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
-    """Qwen3.5/3.6 (family qwen3_5_moe): M-RoPE sections and vision-tower shapes the builder needs, and a tower for
-    image data. (The builder raises on the same problems, but only after the process group exists.)"""
+    """A family with a vision tower (Qwen3.5/3.6): M-RoPE sections and vision-tower shapes the builder needs, and
+    a tower for image data. (The builder raises on the same problems, but only after the process group exists.)"""
     m, v, data = recipe.model, recipe.model.vision, recipe.data
-    if m.family != "qwen3_5_moe":
+    if not family_rules(m.family).vision:
         return []
     issues = []
     rotary_half = int(m.head_dim * m.partial_rotary_factor) // 2
@@ -278,11 +275,12 @@ def check_vision_language(recipe: RecipeConfig, world_size: int) -> list[ConfigI
 
 def check_freeze(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
     f, m = recipe.train.freeze, recipe.model
-    has_vision = m.family == "qwen3_5_moe" and m.vision.depth > 0
+    family_has_vision = family_rules(m.family).vision
+    has_vision = family_has_vision and m.vision.depth > 0
     issues = []
     for group in ("vision_tower", "vision_merger"):
         if getattr(f, group) and not has_vision:
-            fix = "; set model.vision.depth >= 1" if m.family == "qwen3_5_moe" else ""
+            fix = "; set model.vision.depth >= 1" if family_has_vision else ""
             issues.append(ConfigIssue(f"train.freeze.{group}", f"model has no vision tower (family {m.family}){fix}"))
     text_frozen = f.embeddings and f.language_model
     if text_frozen and (not has_vision or (f.vision_tower and f.vision_merger)):

@@ -3,7 +3,8 @@
 Each rule is a small function ``rule(recipe, world_size) -> list[ConfigIssue]`` in ``RULES``; every message names
 the key, the bad value and what would work. ``validate_recipe`` runs them all and resolves the parallel layout.
 The model and data rules live in ``rules_model``, the ``_target_`` allowlist and ``extensions.allow`` in
-``rules_extensions``, DeepEP's in ``deepep``, the mixer kernels' in ``mixer_kernels``;
+``rules_extensions``, DeepEP's in ``deepep``, the mixer kernels' in ``mixer_kernels``; what differs by model family
+is what the family declares (``config.families.FamilyRules``, asked through ``config.hf.family_rules``);
 ``environment.check_environment`` separately verifies that the optional extras a recipe asks for are importable.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from nemo_ac.config.deepep import check_deepep
 from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.config.hf import family_rules
 from nemo_ac.config.mixer_kernels import check_mixer_kernels
 from nemo_ac.config.rules_data import check_data_workers
 from nemo_ac.config.rules_extensions import check_extensions, check_target
@@ -157,11 +159,12 @@ def check_context_parallel(recipe: RecipeConfig, world_size: int) -> list[Config
 def _ring_recurrent_mixer_issues(recipe: RecipeConfig) -> list[ConfigIssue]:
     """Ring CP passes the recurrent state between slices (``context_parallel.state_passing``); the conv's
     ``conv_kernel - 1`` halo tokens must come from the previous slice alone, so a slice (``S / (2 cp)`` of the
-    shortest row) must hold at least that many tokens."""
-    par, m, data = recipe.parallel, recipe.model, recipe.data
-    kernel = {"qwen3_5_moe": m.linear_attention.conv_kernel, "nemotron_h": m.mamba.conv_kernel}.get(m.family)
-    if kernel is None or data.kind not in ("synthetic", "text"):
+    shortest row) must hold at least that many tokens. The mixers are what the family declares."""
+    par, data = recipe.parallel, recipe.data
+    mixers = family_rules(recipe.model.family).recurrent_mixers(recipe.model)
+    if not mixers or data.kind not in ("synthetic", "text"):
         return []
+    kernel = max(mixer.conv_kernel for mixer in mixers)
     key, shortest = ("data.seq_len", data.seq_len) if data.fixed_length else ("data.pad_multiple", data.pad_multiple)
     if shortest // (2 * par.cp) >= kernel - 1:
         return []
@@ -177,37 +180,35 @@ def _ring_recurrent_mixer_issues(recipe: RecipeConfig) -> list[ConfigIssue]:
 
 def _ulysses_recurrent_mixer_issues(recipe: RecipeConfig) -> list[ConfigIssue]:
     """Ulysses also splits the heads of recurrent mixers (Gated DeltaNet key/value heads, Mamba-2 heads and B/C
-    groups): each rank runs whole heads over the whole sequence, so they must divide evenly over cp."""
-    par, m = recipe.parallel, recipe.model
+    groups, as the family declares them): each rank runs whole heads over the whole sequence, so they must divide
+    evenly over cp, or, for groups replicated when fewer than cp, cp must divide evenly over them."""
+    cp = recipe.parallel.cp
     issues = []
-    linear = m.linear_attention
-    if m.family == "qwen3_5_moe" and (linear.num_key_heads % par.cp != 0 or linear.num_value_heads % par.cp != 0):
-        issues.append(
-            ConfigIssue(
-                "parallel.cp",
-                f"ulysses CP splits Gated DeltaNet heads: model.linear_attention.num_key_heads="
-                f"{linear.num_key_heads} and num_value_heads={linear.num_value_heads} must both be divisible by "
-                f"cp={par.cp}",
+    for mixer in family_rules(recipe.model.family).recurrent_mixers(recipe.model):
+        split = [group for group in mixer.head_groups if group.replicated_when_fewer is None]
+        if any(group.count % cp != 0 for group in split):
+            section = split[0].key.split(".")[0] + "."
+            named = " and ".join(
+                f"{group.key if i == 0 else group.key.removeprefix(section)}={group.count}"
+                for i, group in enumerate(split)
             )
-        )
-    if m.family == "nemotron_h":
-        mamba = m.mamba
-        if mamba.num_heads % par.cp != 0:
+            both = "both " if len(split) == 2 else "all " if len(split) > 2 else ""
             issues.append(
                 ConfigIssue(
                     "parallel.cp",
-                    f"ulysses CP splits Mamba-2 heads: model.mamba.num_heads={mamba.num_heads} must be divisible "
-                    f"by cp={par.cp}",
+                    f"ulysses CP splits {mixer.name} heads: model.{named} must {both}be divisible by cp={cp}",
                 )
             )
-        if mamba.n_groups % par.cp != 0 and par.cp % mamba.n_groups != 0:
-            issues.append(
-                ConfigIssue(
-                    "parallel.cp",
-                    f"ulysses CP needs model.mamba.n_groups={mamba.n_groups} divisible by cp={par.cp} or cp divisible "
-                    "by it (B/C groups are replicated when fewer than cp)",
+        for group in mixer.head_groups:
+            replicated = group.replicated_when_fewer
+            if replicated is not None and group.count % cp != 0 and cp % group.count != 0:
+                issues.append(
+                    ConfigIssue(
+                        "parallel.cp",
+                        f"ulysses CP needs model.{group.key}={group.count} divisible by cp={cp} or cp divisible "
+                        f"by it ({replicated} are replicated when fewer than cp)",
+                    )
                 )
-            )
     return issues
 
 

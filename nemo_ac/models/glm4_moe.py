@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_ac.config.families import glm4_moe_problems
+from nemo_ac.config.hf.glm4_moe import glm4_moe_problems
 from nemo_ac.config.schema import ModelConfig, MoEConfig
 from nemo_ac.models import qwen3_moe
 from nemo_ac.models.layers.mlp import MLP
@@ -60,7 +60,7 @@ class Glm4MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
 def check_glm4_moe_config(cfg: ModelConfig) -> list[str]:
     """What in ``cfg`` this family cannot build, as ``model.<key>=<value> (reason)`` strings (empty: fine).
 
-    The rules live in ``nemo_ac.config.families`` (torch-free), so recipe validation rejects the same settings
+    The rules live in ``nemo_ac.config.hf.glm4_moe`` (torch-free), so recipe validation rejects the same settings
     before any process group starts; here they guard direct ``build_model`` calls.
     """
     return [problem.describe() for problem in glm4_moe_problems(cfg)]

@@ -64,15 +64,10 @@ def default_init_rule(
     return torch.empty(shape).normal_(0.0, init_std, generator=generator)
 
 
-# glm4_moe / nemotron_h need nothing beyond the default: their special tensors (router bias buffer, Mamba's A_log /
-# D / dt_bias, gated norm) carry initial_buffer / initial_parameter hooks.
-INIT_RULES: dict[str, InitRule] = {
-    "qwen3_moe": default_init_rule,
-    "glm4_moe": default_init_rule,
-    "nemotron_h": default_init_rule,
-    # qwen3_5_moe: zero-centered norms, vision LayerNorms, A_log / dt_bias and gated norms use the same hooks.
-    "qwen3_5_moe": default_init_rule,
-}
+# Families whose tensors need a rule of their own (none today): every family's special tensors (router bias buffer,
+# Mamba's A_log / D / dt_bias, gated and zero-centered norms, vision LayerNorms) carry initial_buffer /
+# initial_parameter hooks, so a family missing here gets ``default_init_rule`` and a new family edits nothing.
+INIT_RULES: dict[str, InitRule] = {}
 
 
 def _owner(model: nn.Module, name: str) -> nn.Module:
@@ -98,7 +93,7 @@ def init_weights(model: nn.Module, *, seed: int, init_std: float | None = None, 
     """(Re)initialize every parameter and buffer of an already materialized model, deterministically."""
     cfg = getattr(model, "config", None)
     std = init_std if init_std is not None else getattr(cfg, "init_std", 0.02)
-    rule = INIT_RULES[family or getattr(cfg, "family", "qwen3_moe")]
+    rule = INIT_RULES.get(family or getattr(cfg, "family", ""), default_init_rule)
     tensors = list(model.named_parameters()) + list(model.named_buffers())
     for name, tensor in tensors:
         canon = canonical_name(name)

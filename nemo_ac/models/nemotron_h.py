@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nemo_ac.config.families import nemotron_h_problems
+from nemo_ac.config.hf.nemotron_h import nemotron_h_problems
 from nemo_ac.config.schema import ModelConfig, MoEConfig
 from nemo_ac.models.interfaces import AttentionInputs, RouterStats
 from nemo_ac.models.layers.causal_lm import CausalLM, DecoderStack
@@ -140,7 +140,7 @@ def check_nemotron_h_config(cfg: ModelConfig) -> list[str]:
     """What in ``cfg`` this family cannot build, as ``model.<key>=<value> (reason)`` strings (empty: fine).
 
     The layer pattern is checked here (its characters index ``BLOCK_TYPES``); every other rule lives in
-    ``nemo_ac.config.families`` (torch-free) so recipe validation rejects it before any process group starts.
+    ``nemo_ac.config.hf.nemotron_h`` (torch-free) so recipe validation rejects it before any process group starts.
     """
     bad = []
     pattern = cfg.layer_pattern

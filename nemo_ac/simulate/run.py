@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
+from nemo_ac.config.hf import family_rules
 from nemo_ac.config.schema import RecipeConfig
 from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.data.batch import PackedBatch
@@ -94,10 +95,6 @@ def target_device_type(recipe: RecipeConfig) -> str:
     return "cuda"
 
 
-# backend.<key> -> the model family that has the mixer.
-_MIXER_FAMILIES = {"linear_attention": "qwen3_5_moe", "mamba": "nemotron_h"}
-
-
 def with_gpu_kernels(
     recipe: RecipeConfig, layout: ParallelLayout, *, device_type: str
 ) -> tuple[RecipeConfig, list[str]]:
@@ -106,8 +103,9 @@ def with_gpu_kernels(
     the assumption said when one applies. Their custom ops run in the dry run through their fake implementations:
     no kernel package is needed here."""
     changes: dict[str, str] = {}
-    for key, family in _MIXER_FAMILIES.items():
-        if getattr(recipe.backend, key) != "auto" or recipe.model.family != family:
+    for mixer in family_rules(recipe.model.family).recurrent_mixers(recipe.model):
+        key = mixer.backend_key
+        if getattr(recipe.backend, key) != "auto":
             continue
         chosen = resolve_mixer_kernel(
             key,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from nemo_ac.config.families import FamilyProblem, FamilyRules, family_lacks, family_needs
 from nemo_ac.config.hf.registry import (
     HFDict,
     HFFamily,
@@ -16,6 +17,7 @@ from nemo_ac.config.hf.registry import (
     read_common,
     read_grouped_sigmoid_routing,
     read_rope,
+    register_family_rules,
     register_hf_family,
     require,
     write_common,
@@ -82,6 +84,29 @@ def _glm_ignores(key: str, cfg: ModelConfig) -> bool:
     return m is not None and int(m.group(1)) >= cfg.num_layers
 
 
+def glm4_moe_problems(cfg: ModelConfig) -> list[FamilyProblem]:
+    """GLM-4.5's router is always sigmoid with a score-correction bias and SwiGLU experts (transformers' Glm4Moe
+    has no other mode); options of other families do not exist in it."""
+    moe = cfg.moe
+    needs = {
+        "moe.score_func": (moe.score_func, "sigmoid"),
+        "moe.score_correction_bias": (moe.score_correction_bias, True),
+        "moe.activation": (moe.activation, "silu"),
+    }
+    problems = family_needs(cfg, "glm4_moe", needs, "transformers' Glm4Moe router/experts have no other mode")
+    return problems + family_lacks(
+        "glm4_moe",
+        {
+            "attn_output_gate": cfg.attn_output_gate,
+            "layer_pattern": cfg.layer_pattern,
+            "moe.latent_size": moe.latent_size,
+            "moe.shared_expert_gate": moe.shared_expert_gate,
+            "mlp_bias": cfg.mlp_bias,
+        },
+    )
+
+
 register_hf_family(
     HFFamily("glm4_moe", "glm4_moe", "Glm4MoeForCausalLM", read_glm4_moe, write_glm4_moe, ignore_key=_glm_ignores)
 )
+register_family_rules(FamilyRules("glm4_moe", problems=glm4_moe_problems))

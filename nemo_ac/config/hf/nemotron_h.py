@@ -8,12 +8,14 @@ weights under a top-level ``mtp.`` prefix, skipped on load.
 
 from __future__ import annotations
 
+from nemo_ac.config.families import FamilyProblem, FamilyRules, HeadGroup, RecurrentMixer, family_needs
 from nemo_ac.config.hf.registry import (
     HFDict,
     HFFamily,
     first_present,
     read_common,
     read_grouped_sigmoid_routing,
+    register_family_rules,
     register_hf_family,
     require,
     write_common,
@@ -124,6 +126,59 @@ def _nemotron_ignores(key: str, cfg: ModelConfig) -> bool:
     return key.startswith("mtp.")
 
 
+def nemotron_h_problems(cfg: ModelConfig) -> list[FamilyProblem]:
+    """Nemotron-H attention has no rope, qk-norm or bias; its MoE is sigmoid + correction bias with squared-ReLU
+    experts and always-on shared experts; layer types come from ``layer_pattern`` only (its characters and length
+    are checked by ``rules_model.check_model_shape``; the builder re-checks them)."""
+    moe = cfg.moe
+    problems = []
+    if not cfg.layer_pattern:
+        problems.append(
+            FamilyProblem(
+                "model.layer_pattern",
+                "",
+                None,
+                "family nemotron_h needs its hybrid_override_pattern, one of M * E - per layer, e.g. 'ME*E'",
+            )
+        )
+    needs = {
+        "moe.score_func": (moe.score_func, "sigmoid"),
+        "moe.score_correction_bias": (moe.score_correction_bias, True),
+        "moe.activation": (moe.activation, "relu2"),
+        "qk_norm": (cfg.qk_norm, False),
+        "attention_bias": (cfg.attention_bias, False),
+        "first_k_dense_replace": (cfg.first_k_dense_replace, 0),
+        "attn_output_gate": (cfg.attn_output_gate, False),
+        "moe.shared_expert_gate": (moe.shared_expert_gate, False),
+    }
+    problems += family_needs(cfg, "nemotron_h", needs, "transformers' NemotronH has no other mode")
+    if "E" in cfg.layer_pattern and moe.shared_expert_intermediate_size <= 0:
+        problems.append(
+            FamilyProblem(
+                "model.moe.shared_expert_intermediate_size",
+                moe.shared_expert_intermediate_size,
+                None,
+                "Nemotron-H MoE layers always have shared experts; set it > 0 (HF moe_shared_expert_intermediate_size)",
+            )
+        )
+    return problems
+
+
+def _mamba(cfg: ModelConfig) -> tuple[RecurrentMixer, ...]:
+    mamba = cfg.mamba
+    return (
+        RecurrentMixer(
+            "Mamba-2",
+            "mamba",
+            mamba.conv_kernel,
+            (
+                HeadGroup("mamba.num_heads", mamba.num_heads),
+                HeadGroup("mamba.n_groups", mamba.n_groups, replicated_when_fewer="B/C groups"),
+            ),
+        ),
+    )
+
+
 register_hf_family(
     HFFamily(
         "nemotron_h",
@@ -133,5 +188,14 @@ register_hf_family(
         write_nemotron_h,
         key_renames=(("backbone.", "model."),),
         ignore_key=_nemotron_ignores,
+    )
+)
+register_family_rules(
+    FamilyRules(
+        "nemotron_h",
+        problems=nemotron_h_problems,
+        layer_pattern_chars="M*E-",
+        sections=("mamba",),
+        recurrent_mixers=_mamba,
     )
 )

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_ac.config.hf.registry import HFDict, HFFamily, read_rope, register_hf_family, require
+from nemo_ac.config.families import FamilyRules, HeadGroup, RecurrentMixer
+from nemo_ac.config.hf.registry import HFDict, HFFamily, read_rope, register_family_rules, register_hf_family, require
 from nemo_ac.config.schema import LinearAttentionConfig, ModelConfig, MoEConfig, VisionConfig
 
 _LAYER_TYPES = {"linear_attention": "L", "full_attention": "A"}
@@ -210,6 +211,15 @@ def _mtp_key(key: str, cfg: ModelConfig) -> bool:
     return key.startswith("mtp.")
 
 
+def _gated_deltanet(cfg: ModelConfig) -> tuple[RecurrentMixer, ...]:
+    linear = cfg.linear_attention
+    heads = (
+        HeadGroup("linear_attention.num_key_heads", linear.num_key_heads),
+        HeadGroup("linear_attention.num_value_heads", linear.num_value_heads),
+    )
+    return (RecurrentMixer("Gated DeltaNet", "linear_attention", linear.conv_kernel, heads),)
+
+
 register_hf_family(
     HFFamily(
         "qwen3_5_moe",
@@ -218,5 +228,14 @@ register_hf_family(
         read_qwen3_5_moe,
         write_qwen3_5_moe,
         ignore_key=_mtp_key,
+    )
+)
+register_family_rules(
+    FamilyRules(
+        "qwen3_5_moe",
+        layer_pattern_chars="LA",
+        sections=("linear_attention", "vision"),
+        recurrent_mixers=_gated_deltanet,
+        vision=True,
     )
 )

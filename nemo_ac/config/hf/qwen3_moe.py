@@ -6,12 +6,14 @@ Softmax routing without a shared expert, q/k norms, and an optional dense prefix
 
 from __future__ import annotations
 
+from nemo_ac.config.families import FamilyRules
 from nemo_ac.config.hf.registry import (
     HFDict,
     HFFamily,
     first_present,
     read_common,
     read_rope,
+    register_family_rules,
     register_hf_family,
     require,
     write_common,
@@ -71,3 +73,4 @@ def write_qwen3_moe(cfg: ModelConfig) -> HFDict:
 
 
 register_hf_family(HFFamily("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", read_qwen3_moe, write_qwen3_moe))
+register_family_rules(FamilyRules("qwen3_moe"))

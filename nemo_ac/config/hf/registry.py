@@ -4,7 +4,8 @@ A family entry says how to read an HF config dict into a ``ModelConfig`` (archit
 ``aux_loss_coef`` or ``bias_update_rate`` keep their recipe values), how to write one back (for exports that
 transformers can load), how checkpoint keys differ from nemo_ac's (``key_renames``: Nemotron-H's Hub files say
 ``backbone.`` where transformers 5 and nemo_ac say ``model.``) and which checkpoint keys are not part of the model
-(``ignore_key``: multi-token-prediction layers). Another family registers itself with ``register_hf_family``.
+(``ignore_key``: multi-token-prediction layers). Another family registers itself with ``register_hf_family``, and
+declares its recipe rules (``nemo_ac.config.families.FamilyRules``) with ``register_family_rules``.
 
 This module holds the registry, the ``config.json`` dispatch and the helpers the families share; each family's
 mapping lives in its own module of ``nemo_ac.config.hf`` and registers itself on import (``nemo_ac.config.hf``
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nemo_ac.config.families import FamilyRules
 from nemo_ac.config.schema import ModelConfig, MoEConfig
 
 HFDict = dict[str, Any]
@@ -60,6 +62,20 @@ HF_FAMILIES: dict[str, HFFamily] = {}
 def register_hf_family(spec: HFFamily) -> None:
     """Adds (or replaces) the mapping for ``spec.model_type``."""
     HF_FAMILIES[spec.model_type] = spec
+
+
+FAMILY_RULES: dict[str, FamilyRules] = {}
+
+
+def register_family_rules(rules: FamilyRules) -> None:
+    """Adds (or replaces) what ``rules.family`` declares to the recipe rules (``nemo_ac.config.families``)."""
+    FAMILY_RULES[rules.family] = rules
+
+
+def family_rules(family: str) -> FamilyRules:
+    """What a family declares to the recipe rules; a family that declares nothing gets the defaults (a plain
+    decoder: no layer pattern, no sections of its own, no recurrent mixers, no vision tower)."""
+    return FAMILY_RULES.get(family, FamilyRules(family))
 
 
 def hf_family(family: str) -> HFFamily:
