@@ -34,6 +34,7 @@ from torch.utils.flop_counter import flop_registry
 from nemo_ac.models.kernels.op_flops import needs_formula
 from nemo_ac.simulate.fusion import CompiledRegions, is_extern
 from nemo_ac.simulate.gpus import GPUS_PER_NODE
+from nemo_ac.simulate.op_cost import OpCost
 from nemo_ac.simulate.routing import DeepEPRouting
 from nemo_ac.workarounds.fake_world import in_backward, in_sharding_propagation, process_group_of
 
@@ -155,31 +156,6 @@ class CollectiveRecord:
     wire_bytes: int = 0  # what this rank sends, ring model (DeepEP: over NVLink, one copy per destination rank)
     ranks: tuple[int, ...] = ()
     network_bytes: int = 0  # DeepEP only: what crosses to other nodes over RDMA (one copy per destination node)
-
-
-@dataclass
-class OpCost:
-    """One compute op for the roofline: FLOPs, bytes touched, the bits of its first floating input; ``weight``: how
-    many times it counts (micro batches counted but not run; depth scaling, where it may be negative)."""
-
-    flops: int
-    bytes: int
-    bits: int
-    phase: str
-    weight: int = 1
-    name: str = ""
-    # "host": a copy between the device and host memory (the dry run's host stand-in, "meta"): it crosses the GPU's
-    # host link, not HBM; ``bytes`` is then the payload, one direction. "host_blocking": the same, with the compute
-    # stream waiting for it. "host_memory": an op on tensors in host memory (the optimizer step over the shards
-    # ``train.optimizer_offload: full`` keeps there): the node's DRAM bandwidth, shared by its ranks.
-    link: str = ""
-    # The bytes left when the op runs inside a compiled block (``simulate.fusion``); None: ``bytes`` (eager).
-    compiled_bytes: int | None = None
-    seq: int = 0  # the counter's running op number (a memory sample's ``seq`` places it on the trace)
-
-    @property
-    def fused_bytes(self) -> int:
-        return self.bytes if self.compiled_bytes is None else self.compiled_bytes
 
 
 @dataclass(frozen=True)

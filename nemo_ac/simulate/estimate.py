@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nemo_ac.simulate.counters import CollectiveRecord, OpCost, StepCounts
+from nemo_ac.simulate.counters import CollectiveRecord, StepCounts
 from nemo_ac.simulate.gpus import (
     COLLECTIVE_LATENCY_S,
     HBM_EFFICIENCY,
@@ -49,6 +49,7 @@ from nemo_ac.simulate.gpus import (
     MATMUL_EFFICIENCY,
     GpuSpec,
 )
+from nemo_ac.simulate.op_cost import OpCost
 
 
 @dataclass

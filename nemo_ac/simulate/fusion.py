@@ -27,17 +27,15 @@ import bisect
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from nemo_ac.distributed.blocks import unwrap_block
+from nemo_ac.simulate.op_cost import OpCost
 from nemo_ac.workarounds.fake_world import autograd_sequence_nr, in_backward, running_autograd_sequence_nr
-
-if TYPE_CHECKING:
-    from nemo_ac.simulate.counters import OpCost
 
 # aten ops inductor does not fuse (a fallback kernel of their own) although they do no FLOPs.
 EXTERN_PACKETS = frozenset(

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from nemo_ac.simulate.counters import OpCost, StepCounts
+from nemo_ac.simulate.counters import StepCounts
 from nemo_ac.simulate.memory import HandAdded, local_bytes
+from nemo_ac.simulate.op_cost import OpCost
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

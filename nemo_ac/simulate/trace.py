@@ -22,9 +22,10 @@ import bisect
 from collections.abc import Sequence
 from pathlib import Path
 
-from nemo_ac.simulate.counters import CollectiveCall, CollectiveRecord, OpCost, StepCounts
+from nemo_ac.simulate.counters import CollectiveCall, CollectiveRecord, StepCounts
 from nemo_ac.simulate.estimate import KERNEL_EFFICIENCY, collective_seconds, cost_seconds
 from nemo_ac.simulate.gpus import GpuSpec
+from nemo_ac.simulate.op_cost import OpCost
 from nemo_ac.simulate.report import seconds, size
 
 STREAMS = {"compute": 1, "FSDP all-gather / reduce-scatter": 2, "EP / CP / loop collectives": 3, "host link": 4}
