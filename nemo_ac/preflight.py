@@ -44,9 +44,9 @@ from typing import TYPE_CHECKING
 from nemo_ac.config import ConfigError, ConfigIssue, RecipeConfig, check_environment, load_recipe, validate_recipe
 from nemo_ac.config.corpus_key import check_text_corpus
 from nemo_ac.config.data_files import check_data_files
+from nemo_ac.config.layout import ParallelLayout
 from nemo_ac.config.pretrained import check_pretrained
 from nemo_ac.config.pretrained_files import check_pretrained_files
-from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.trainer.checkpoint.export_target import checkpoint_entry, export_dir_of, overlap, replace_refusal
 from nemo_ac.trainer.checkpoint.files import check_checkpoint_paths
 

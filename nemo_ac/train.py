@@ -28,7 +28,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from nemo_ac.config import ConfigError, RecipeConfig, to_dict, to_yaml
-from nemo_ac.config.validate import ParallelLayout
+from nemo_ac.config.layout import ParallelLayout
 from nemo_ac.diagnostics.compile_caches import CompileCacheCounts, per_rank_report, per_rank_summary
 from nemo_ac.diagnostics.compile_progress import CompileProgress
 from nemo_ac.diagnostics.recompiles import CompileAccounting

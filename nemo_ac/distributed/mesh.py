@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from nemo_ac.config.validate import ParallelLayout
+from nemo_ac.config.layout import ParallelLayout
 
 
 @dataclass

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from nemo_ac.config.layout import ParallelLayout
 from nemo_ac.config.schema import RecipeConfig
-from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.diagnostics.recompiles import CompileAccounting
 from nemo_ac.preflight import preflight
 from nemo_ac.runtime import DistEnv, destroy_distributed, exit_process, init_distributed, world_size_from_env

@@ -25,8 +25,8 @@ from torch import nn
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.config.hf import family_rules
+from nemo_ac.config.layout import ParallelLayout
 from nemo_ac.config.schema import RecipeConfig
-from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.data.batch import PackedBatch
 from nemo_ac.data.sources import recipe_batches
 from nemo_ac.distributed.mesh import ParallelMeshes

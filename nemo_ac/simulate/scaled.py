@@ -17,8 +17,8 @@ import dataclasses
 import time
 from collections import Counter
 
+from nemo_ac.config.layout import ParallelLayout
 from nemo_ac.config.schema import ModelConfig, RecipeConfig
-from nemo_ac.config.validate import ParallelLayout
 from nemo_ac.simulate.memory import PeakMemory
 from nemo_ac.simulate.run import Simulation, SimulationOptions, simulate, target_plan
 from nemo_ac.simulate.step import StepMeasurement, combine

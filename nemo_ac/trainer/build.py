@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from nemo_ac.config import RecipeConfig
-from nemo_ac.config.validate import ParallelLayout
+from nemo_ac.config.layout import ParallelLayout
 from nemo_ac.data.sources import recipe_batches
 from nemo_ac.distributed.mesh import ParallelMeshes, build_meshes
 from nemo_ac.distributed.parallelize import parallelize

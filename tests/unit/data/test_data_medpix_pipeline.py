@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from nemo_ac.config.layout import check_batching
 from nemo_ac.config.schema import DataConfig, RecipeConfig, VisionConfig
-from nemo_ac.config.validate import check_batching
 from nemo_ac.data import medpix
 from nemo_ac.data.batch import PackedBatch
 from nemo_ac.data.medpix import MedPixBatches
