@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from nemo_ac.distributed.blocks import decoder_layers
-from nemo_ac.distributed.plan import ParallelPlan, mixer_kernel_between_graphs
+from nemo_ac.distributed.plan import ParallelPlan
 from nemo_ac.models.layers.attention import set_attention_kernel
 from nemo_ac.models.mixer_kernels import set_mixer_kernels
 from nemo_ac.models.te_backend import apply_te_backends
@@ -27,7 +27,7 @@ def apply_kernels(model: nn.Module, *, plan: ParallelPlan) -> None:
             block,
             linear_attention=kernels.linear_attention.value,
             mamba=kernels.mamba.value,
-            between_compiled_graphs=mixer_kernel_between_graphs(block_plan.ac, block_plan.compile_layout),
+            between_compiled_graphs=block_plan.ops_between_graphs,
         )
     apply_te_backends(
         layers, linear=kernels.linear.value, rms_norm=kernels.rms_norm.value, attention=kernels.attention.value

@@ -115,11 +115,16 @@ def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> list[CompiledBlock
         if layout is None:
             continue
         inner = unwrap_block(outer)
-        target = inner if layout == "ac_outer" and inner is not outer else outer
+        if block_plan.checkpointed and inner is outer:
+            raise RuntimeError(f"{block_plan.path}: the plan checkpoints it, but no AC wrapper was applied")
+        # ac_outer compiles the block under its checkpoint; without a checkpoint the two layouts are one.
+        compiles_inside_checkpoint = block_plan.checkpointed and layout == CompileLayout.AC_OUTER
+        target = inner if compiles_inside_checkpoint else outer
         if is_compiled(target):
             raise RuntimeError(f"{block_plan.path} is already compiled")
-        entry = _code_key(target.forward) if target is not inner else None
-        region_kwargs = ac_outer_compile_kwargs(kwargs) if target is inner and inner is not outer else kwargs
+        traces_checkpoint = block_plan.checkpointed and not compiles_inside_checkpoint
+        entry = _code_key(target.forward) if traces_checkpoint else None
+        region_kwargs = ac_outer_compile_kwargs(kwargs) if compiles_inside_checkpoint else kwargs
         if plan.compile.node_shared():  # after the inductor options are set: the backend carries them
             region_kwargs = node_shared_compile_kwargs(region_kwargs)
         layout_key = layout_keys.setdefault(block_structure(target, layout=layout), f"block {index} ({layout})")

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nemo_ac.distributed.blocks import decoder_layers, routed_moe
-from nemo_ac.distributed.plan import CompileLayout, ParallelPlan
+from nemo_ac.distributed.plan import ParallelPlan
 from nemo_ac.models.kernels.dispatch import permute_tokens, sort_by_expert, unpermute_tokens, weighted_combine
 from nemo_ac.workarounds.shared_group_names import shared_group_name
 
@@ -148,13 +148,6 @@ def shard_experts(experts: nn.Module, *, ep_mesh: DeviceMesh) -> None:
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
-def deepep_between_compiled_graphs(plan: ParallelPlan) -> bool:
-    """Whether DeepEP's ops must run between compiled graphs: a checkpointed MoE block compiled inside its
-    checkpoint (``ac_outer``) recomputes whole compiled graphs, so an op traced into one would communicate again in
-    every recompute (``deepep_dispatcher``). Elsewhere (compile_outer, no AC, no compile) they are traced."""
-    return any(b.moe and b.checkpointed and b.compile_layout is CompileLayout.AC_OUTER for b in plan.decoder_blocks())
-
-
 def build_dispatcher(
     kind: str,
     *,
@@ -209,7 +202,7 @@ def apply_ep(
         plan.kernels.dispatcher.value,
         ep_mesh=ep_mesh,
         num_experts=num_experts.pop(),
-        deepep_between_graphs=deepep_between_compiled_graphs(plan),
+        deepep_between_graphs=plan.dispatcher_between_graphs(),
         deepep_buffer_cls=deepep_buffer_cls,
         shared_group_names=plan.collectives_by_mesh_dim(),
     )

@@ -18,7 +18,7 @@ a traced checkpoint skips the whole region). Blocks holding modules Dynamo will 
 
 from nemo_ac.distributed.plan.decide import BlockFacts, decide_plan
 from nemo_ac.distributed.plan.kernels import Chosen, KernelPlan, recipe_kernels, resolve_kernels, with_kernels
-from nemo_ac.distributed.plan.layout import mixer_kernel_between_graphs, resolve_layout
+from nemo_ac.distributed.plan.layout import ops_between_compiled_graphs, resolve_layout
 from nemo_ac.distributed.plan.records import (
     AppliedPlan,
     BlockPlan,
@@ -53,7 +53,7 @@ __all__ = [
     "RecomputeContext",
     "SelectiveACPlan",
     "decide_plan",
-    "mixer_kernel_between_graphs",
+    "ops_between_compiled_graphs",
     "recipe_kernels",
     "resolve_kernels",
     "resolve_layout",

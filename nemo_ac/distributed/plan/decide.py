@@ -32,8 +32,8 @@ from nemo_ac.distributed.blocks import (
 from nemo_ac.distributed.plan.kernels import KernelPlan, resolve_kernels
 from nemo_ac.distributed.plan.layout import (
     layout_issues,
-    mixer_kernel_between_graphs,
     nested_units,
+    ops_between_compiled_graphs,
     recompute_contexts,
     resolve_layout,
 )
@@ -185,6 +185,7 @@ def decide_decoder_block(
         holds_nested_units=bool(facts.nested_units),
         untraceable=facts.untraceable,
     )
+    between_graphs = ops_between_compiled_graphs(run.ac_mode, layout)
     plan = BlockPlan(
         path=facts.path,
         kind=BlockKind.DECODER,
@@ -202,10 +203,11 @@ def decide_decoder_block(
         compile_layout=layout,
         offload=run.offload,
         fsdp_unit=run.fsdp_unit,
+        ops_between_graphs=between_graphs,
         kernels=block_kernel_labels(
             facts,
             kernels=kernels,
-            between_graphs=mixer_kernel_between_graphs(run.ac_mode, layout),
+            between_graphs=between_graphs,
             cp=run.cp,
             cp_type=run.cp_type,
             ep=run.ep,

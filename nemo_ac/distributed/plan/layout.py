@@ -140,8 +140,9 @@ def replay_needed(ac_mode: ACMode, layout: CompileLayout | None) -> bool:
     return ac_mode is ACMode.SELECTIVE and layout is CompileLayout.AC_OUTER
 
 
-def mixer_kernel_between_graphs(ac_mode: ACMode | str, layout: CompileLayout | str | None) -> bool:
-    """Whether a block's mixer-kernel ops run between compiled graphs: a checkpointed block compiled inside its
-    checkpoint (ac_outer) recomputes whole compiled graphs, so a kernel op traced into one would rerun in every
-    recompute (``models.mixer_kernels``); between graphs the SAC policy saves it."""
+def ops_between_compiled_graphs(ac_mode: ACMode | str, layout: CompileLayout | str | None) -> bool:
+    """Whether a block's custom kernel and communication ops (fla / mamba-ssm, DeepEP's dispatch and combine) run
+    between compiled graphs: a checkpointed block compiled inside its checkpoint (ac_outer) recomputes whole
+    compiled graphs, so an op traced into one would rerun its kernels or communicate again in every recompute
+    (``models.mixer_kernels``, ``expert_parallel.deepep_dispatcher``); between graphs the SAC policy saves it."""
     return ac_mode != ACMode.NONE and layout == CompileLayout.AC_OUTER

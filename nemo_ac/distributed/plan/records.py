@@ -33,6 +33,8 @@ class BlockPlan:
     compile_layout: compile(AC(block)) or AC(compile(block)); None = not compiled.
     offload: the block's saved activations go to host memory.
     fsdp_unit: what the block's ``fully_shard`` wraps.
+    ops_between_graphs: its custom kernel and communication ops run between compiled graphs, as graph-breaking calls
+        (``plan.layout.ops_between_compiled_graphs``: checkpointed and compiled inside its checkpoint).
     kernels: (what, label) pairs derived from the run's ``KernelPlan``, e.g. ("attention", "tiled, ulysses cp2").
     untraceable: (class name, count) of modules Dynamo will not trace (TE's, or Dynamo-disabled ones): each is a
         graph break in the compiled block, so such a block is never compile(AC(block)).
@@ -48,6 +50,7 @@ class BlockPlan:
     compile_layout: CompileLayout | None
     offload: bool
     fsdp_unit: FSDPUnit
+    ops_between_graphs: bool = False
     kernels: tuple[tuple[str, str], ...] = ()
     untraceable: tuple[tuple[str, int], ...] = ()
 
@@ -156,6 +159,11 @@ class ParallelPlan:
 
     def vision_blocks(self) -> tuple[BlockPlan, ...]:
         return tuple(b for b in self.blocks if b.kind is BlockKind.VISION)
+
+    def dispatcher_between_graphs(self) -> bool:
+        """Whether the one expert-parallel dispatcher all MoE blocks share calls its ops between compiled graphs:
+        some MoE block's plan says so (DeepEP; the torch dispatcher's functional collectives are always traced)."""
+        return any(block.moe and block.ops_between_graphs for block in self.decoder_blocks())
 
     def compile_layouts(self) -> list[CompileLayout | None]:
         return [b.compile_layout for b in self.decoder_blocks()]

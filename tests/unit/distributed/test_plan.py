@@ -112,6 +112,29 @@ def test_workarounds_follow_the_gates_and_the_layout():
     assert eager.workarounds == ("profiler_ops_in_sac", "fsdp_hooks_in_sac")
 
 
+def test_ops_between_compiled_graphs_is_decided_once_per_block_and_the_dispatcher_reads_it():
+    """A checkpointed block compiled inside its checkpoint (ac_outer) calls its custom ops between compiled graphs;
+    the shared EP dispatcher does so when any MoE block does. The apply steps read these fields, nothing else."""
+    ac_outer = _plan(MAKE_RUN, world_size=4)
+    assert [b.ops_between_graphs for b in ac_outer.decoder_blocks()] == [True, True]
+    assert ac_outer.dispatcher_between_graphs()
+    # compile_outer needs blocks without nested FSDP units: no fp32 router unit, no EP (its experts are a unit).
+    compile_outer = [
+        "compile.layout=compile_outer",
+        "model.moe.separate_fsdp_unit=false",
+        "model.moe.router_dtype=param",
+        "parallel.ep=1",
+    ]
+    for overrides in (
+        compile_outer,
+        ["activation_checkpointing.mode=none"],
+        ["compile.enabled=false"],
+    ):
+        plan = _plan(MAKE_RUN, overrides, world_size=4)
+        assert not any(b.ops_between_graphs for b in plan.decoder_blocks()), overrides
+        assert not plan.dispatcher_between_graphs(), overrides
+
+
 def test_ring_over_recurrent_mixers_is_planned_as_state_passing():
     """Gated DeltaNet (and Mamba-2) layers take ring CP (state passing) beside the attention layers' K/V ring."""
     lines = _plan(MAKE_RUN, ["parallel.cp_type=ring"], world_size=4, torch_version="2.13.0").summary_lines()
