@@ -1,6 +1,9 @@
-"""The parallelization recipe: decide the plan, then kernels -> EP -> CP -> AC (+ offload) -> compile -> FSDP, each one step.
+"""The parallelization recipe: a decided plan applied as kernels -> EP -> CP -> AC (+ offload) -> compile -> FSDP,
+each one step.
 
-``parallelize`` returns the plan with what applying it produced (``ParallelPlan.applied``); the run prints
+The plan is decided before (``distributed.plan.decide_plan``, from the recipe's sections: the composition root,
+``trainer.build``, is the one caller that hands them over); ``parallelize`` takes the plan and the meshes only and
+returns the plan with what applying it produced (``ParallelPlan.applied``); the run prints
 ``plan.summary_lines()`` and reads the offloader and the compiled checkpoint entries from there.
 """
 
@@ -10,14 +13,6 @@ import dataclasses
 
 from torch import nn
 
-from nemo_ac.config.schema import (
-    ActivationCheckpointingConfig,
-    BackendConfig,
-    CompileConfig,
-    DataConfig,
-    ModelConfig,
-    ParallelConfig,
-)
 from nemo_ac.distributed.activation_checkpointing import apply_ac, install_sac_fsdp_workarounds
 from nemo_ac.distributed.apply_kernels import apply_kernels
 from nemo_ac.distributed.compile import apply_compile
@@ -26,44 +21,12 @@ from nemo_ac.distributed.expert_parallel import apply_ep
 from nemo_ac.distributed.fsdp import apply_fsdp
 from nemo_ac.distributed.mesh import ParallelMeshes
 from nemo_ac.distributed.offload import apply_offload
-from nemo_ac.distributed.plan import AppliedPlan, KernelPlan, ParallelPlan, decide_plan
+from nemo_ac.distributed.plan import AppliedPlan, ParallelPlan
 
 
-def parallelize(
-    model: nn.Module,
-    *,
-    meshes: ParallelMeshes,
-    model_config: ModelConfig,
-    parallel: ParallelConfig,
-    activation_checkpointing: ActivationCheckpointingConfig,
-    compile: CompileConfig,
-    backend: BackendConfig,
-    data: DataConfig | None = None,
-    kernels: KernelPlan | None = None,
-    optimizer_offload: str = "none",
-) -> ParallelPlan:
-    """Decide the plan for a meta-device model, apply it in place (weights are materialized afterwards), return it.
-    ``kernels``: the ``KernelPlan`` the model was built with (left out: resolved from ``backend`` for the mesh's
-    device)."""
-    plan = decide_plan(
-        model,
-        model_config=model_config,
-        parallel=parallel,
-        activation_checkpointing=activation_checkpointing,
-        compile=compile,
-        backend=backend,
-        data=data,
-        kernels=kernels,
-        ep=meshes.layout.ep,
-        cp=meshes.layout.cp,
-        device_type=meshes.device_type,
-        optimizer_offload=optimizer_offload,
-    )
-    return apply_plan(model, plan=plan, meshes=meshes)
-
-
-def apply_plan(model: nn.Module, *, plan: ParallelPlan, meshes: ParallelMeshes) -> ParallelPlan:
-    """Apply a decided plan; returns it with ``applied`` filled in."""
+def parallelize(model: nn.Module, *, plan: ParallelPlan, meshes: ParallelMeshes) -> ParallelPlan:
+    """Apply a decided plan (``distributed.plan.decide_plan``) to a meta-device model in place (weights are
+    materialized afterwards); returns the plan with ``applied`` filled in. Every step reads the plan alone."""
     apply_kernels(model, plan=plan)  # first: the ops the plan chose, before EP and CP wrap them
     apply_ep(model, plan=plan, ep_mesh=meshes.ep_mesh)
     apply_cp(model, plan=plan, cp_mesh=meshes.cp)

@@ -87,15 +87,20 @@ def choose_kernels(recipe: RecipeConfig, *, device_type: str) -> tuple[RecipeCon
     return with_kernels(recipe, kernels), kernels
 
 
-def plan_recipe(
-    recipe: RecipeConfig, layout: ParallelLayout, *, device_type: str, torch_version: str | None = None
+def decide_recipe_plan(
+    model: nn.Module,
+    recipe: RecipeConfig,
+    *,
+    kernels: KernelPlan | None,
+    ep: int,
+    cp: int,
+    device_type: str,
+    torch_version: str | None = None,
 ) -> ParallelPlan:
-    """The plan a run of ``recipe`` at ``layout`` on ``device_type`` would apply, from the model on meta (no process
-    group, no weights): what ``nemo-ac validate`` checks (``preflight``) and ``--plan`` prints. ``ConfigError``
-    for a layout the plan refuses. ``torch_version`` decides the workaround gates as if that torch were running."""
-    recipe, kernels = choose_kernels(recipe, device_type=device_type)
+    """The plan for a meta-device ``model`` of ``recipe``: the one place the recipe's sections are handed to
+    ``decide_plan`` (the apply steps take the plan alone)."""
     return decide_plan(
-        build_model(recipe.model),
+        model,
         model_config=recipe.model,
         parallel=recipe.parallel,
         activation_checkpointing=recipe.activation_checkpointing,
@@ -103,11 +108,29 @@ def plan_recipe(
         backend=recipe.backend,
         data=recipe.data,
         kernels=kernels,
+        ep=ep,
+        cp=cp,
+        device_type=device_type,
+        torch_version=torch_version,
+        optimizer_offload=recipe.train.optimizer_offload,
+    )
+
+
+def plan_recipe(
+    recipe: RecipeConfig, layout: ParallelLayout, *, device_type: str, torch_version: str | None = None
+) -> ParallelPlan:
+    """The plan a run of ``recipe`` at ``layout`` on ``device_type`` would apply, from the model on meta (no process
+    group, no weights): what ``nemo-ac validate`` checks (``preflight``) and ``--plan`` prints. ``ConfigError``
+    for a layout the plan refuses. ``torch_version`` decides the workaround gates as if that torch were running."""
+    recipe, kernels = choose_kernels(recipe, device_type=device_type)
+    return decide_recipe_plan(
+        build_model(recipe.model),
+        recipe,
+        kernels=kernels,
         ep=layout.ep,
         cp=layout.cp,
         device_type=device_type,
         torch_version=torch_version,
-        optimizer_offload=recipe.train.optimizer_offload,
     )
 
 
@@ -120,18 +143,10 @@ def build_parallel_model(
     meshes = build_meshes(layout, device_type=device.type)
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model)
-    plan = parallelize(
-        model,
-        meshes=meshes,
-        model_config=recipe.model,
-        parallel=recipe.parallel,
-        activation_checkpointing=recipe.activation_checkpointing,
-        compile=recipe.compile,
-        backend=recipe.backend,
-        data=recipe.data,
-        kernels=kernels,
-        optimizer_offload=recipe.train.optimizer_offload,
+    plan = decide_recipe_plan(
+        model, recipe, kernels=kernels, ep=layout.ep, cp=layout.cp, device_type=meshes.device_type
     )
+    plan = parallelize(model, plan=plan, meshes=meshes)
     return model, meshes, plan
 
 

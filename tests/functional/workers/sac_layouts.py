@@ -35,7 +35,7 @@ from nemo_ac.distributed.parallelize import parallelize
 from nemo_ac.models import build_model
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.runtime import destroy_distributed, exit_process, init_distributed
-from nemo_ac.trainer.build import TrainingSetup, build_trainer, quiet_logger
+from nemo_ac.trainer.build import TrainingSetup, build_trainer, decide_recipe_plan, quiet_logger
 from nemo_ac.trainer.optim import build_optimizer, build_scheduler
 from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored
 from tests.parity import gradient_snapshot, max_gradient_difference
@@ -70,15 +70,10 @@ def train_cell(name: str, overrides: list[str], *, ep: int = 1, profiler_only: b
         meshes = _meshes(layout)
         torch.manual_seed(recipe.train.seed)
         model = build_model(recipe.model)
-        plan = parallelize(
-            model,
-            meshes=meshes,
-            model_config=recipe.model,
-            parallel=recipe.parallel,
-            activation_checkpointing=recipe.activation_checkpointing,
-            compile=recipe.compile,
-            backend=recipe.backend,
+        plan = decide_recipe_plan(
+            model, recipe, kernels=None, ep=layout.ep, cp=layout.cp, device_type=meshes.device_type
         )
+        plan = parallelize(model, plan=plan, meshes=meshes)
         if profiler_only:
             ensure_profiler_ops_sac_ignored()
         materialize_and_init(model, device="cpu", seed=recipe.train.seed)

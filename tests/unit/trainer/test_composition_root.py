@@ -14,10 +14,19 @@ from tests.factories import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "nemo_ac"
 ROOT = PACKAGE / "trainer" / "build.py"
-# The build sequence's steps, in order: meshes and the parallelized model, weights, frozen groups, the optimizer and
-# its scheduler (the data source is not among them: the dry run makes its own micro batches, ``simulate.inputs``).
+# The build sequence's steps, in order: the plan, meshes and the parallelized model, weights, frozen groups, the
+# optimizer and its scheduler (the data source is not among them: the dry run makes its own micro batches,
+# ``simulate.inputs``). ``decide_plan`` is among them: the recipe's sections reach the plan from the root alone.
 BUILD_STEPS = frozenset(
-    {"parallelize", "build_parallel_model", "materialize_weights", "freeze", "build_optimizer", "build_scheduler"}
+    {
+        "decide_plan",
+        "parallelize",
+        "build_parallel_model",
+        "materialize_weights",
+        "freeze",
+        "build_optimizer",
+        "build_scheduler",
+    }
 )
 BUILDERS = ("train.py", "simulate/measure.py", "simulate/run.py")
 

@@ -18,7 +18,7 @@ from nemo_ac.distributed.activation_checkpointing.wrapping import block_context_
 from nemo_ac.distributed.blocks import decoder_layers, unwrap_block
 from nemo_ac.distributed.compile import apply_compile
 from nemo_ac.distributed.mesh import build_meshes
-from nemo_ac.distributed.parallelize import apply_plan
+from nemo_ac.distributed.parallelize import parallelize
 from nemo_ac.distributed.plan import CompileLayout, decide_plan
 from nemo_ac.distributed.plan.layout import recompute_contexts
 from nemo_ac.models import build_model
@@ -154,7 +154,7 @@ def sharded_tiny(layout: str | None) -> tuple[torch.nn.Module, list]:
             for b in plan.blocks
         )
         plan = dataclasses.replace(plan, blocks=blocks)
-    plan = apply_plan(model, plan=plan, meshes=build_meshes(layout_cfg, device_type="cpu"))
+    plan = parallelize(model, plan=plan, meshes=build_meshes(layout_cfg, device_type="cpu"))
     materialize_and_init(model, device=torch.device("cpu"), seed=0)
     return model, list(plan.applied.compiled_checkpoint_entries)
 

@@ -22,7 +22,7 @@ from nemo_ac.config.schema import BackendConfig, CompileConfig
 from nemo_ac.diagnostics.recompiles import CompileAccounting, EagerFallbackWarning
 from nemo_ac.distributed.blocks import decoder_layers
 from nemo_ac.distributed.mesh import build_meshes
-from nemo_ac.distributed.parallelize import apply_plan
+from nemo_ac.distributed.parallelize import parallelize
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.distributed.untraceable import dynamo_disabled_modules
 from nemo_ac.models import build_model
@@ -129,7 +129,7 @@ def sharded(plan_model_first: bool, *, layout: str = "auto") -> tuple[nn.Module,
     plan = plan_for(model, compile_config=CompileConfig(enabled=True, backend="aot_eager", layout=layout))
     if plan_model_first:
         disable_o_proj(model)
-    plan = apply_plan(model, plan=plan, meshes=build_meshes(layout_cfg, device_type="cpu"))
+    plan = parallelize(model, plan=plan, meshes=build_meshes(layout_cfg, device_type="cpu"))
     materialize_and_init(model, device=torch.device("cpu"), seed=0)
     return model, list(plan.applied.compiled_checkpoint_entries)
 
