@@ -31,7 +31,7 @@ import torch
 
 from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.diagnostics.sac_explain import DecisionLog, explain_sac_desync
-from nemo_ac.distributed.activation_checkpointing.policy import PolicyRules, SelectivePolicy
+from nemo_ac.distributed.activation_checkpointing.policy import PolicyRules, SelectiveChoices, SelectivePolicy
 from nemo_ac.workarounds.compiled_regions_under_sac import is_compiled_region
 from nemo_ac.workarounds.fsdp_hooks_in_sac import fsdp_hook_running, reset_fsdp_hook_state
 from nemo_ac.workarounds.profiler_ops_in_sac import ensure_profiler_ops_sac_ignored, profiler_ops_sac_ignored
@@ -115,9 +115,9 @@ def sac_region_context_fn(policy_factory: Callable[[], PolicyFn | Sequence[Any]]
     return context_fn
 
 
-def selective_policy_factory(config: SelectiveACConfig | None = None, *, region: str = "") -> Callable[[], PolicyFn]:
-    """nemo_ac's policy (``SelectiveACConfig`` defaults when ``config`` is None), a fresh ``SelectivePolicy`` per
-    call; ``NEMO_AC_SAC_DEBUG`` is read once, here."""
+def selective_policy_factory(config: SelectiveChoices | None = None, *, region: str = "") -> Callable[[], PolicyFn]:
+    """nemo_ac's policy (``SelectiveACConfig`` defaults when ``config`` is None; the plan's ``SelectiveACPlan`` in a
+    run), a fresh ``SelectivePolicy`` per call; ``NEMO_AC_SAC_DEBUG`` is read once, here."""
     rules = PolicyRules.build(config if config is not None else SelectiveACConfig())
     log = DecisionLog.from_env()
 
@@ -127,7 +127,7 @@ def selective_policy_factory(config: SelectiveACConfig | None = None, *, region:
     return factory
 
 
-def make_selective_checkpoint_context_fn(*, config: SelectiveACConfig | None = None, region: str = "") -> ContextFn:
+def make_selective_checkpoint_context_fn(*, config: SelectiveChoices | None = None, region: str = "") -> ContextFn:
     """nemo_ac's SAC context factory: nemo_ac's policy from ``config`` in nemo_ac's region modes, with the
     profiler-op ignore installed where the gate says (``workarounds.profiler_ops_in_sac``: idempotent, process-wide).
     ``region`` names the block in ``SACDesyncError``.

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.diagnostics.sac_explain import DecisionLog
 from nemo_ac.distributed.expert_parallel import deepep_ops as _registers_deepep_ops  # noqa: F401  (nemo_ac::deepep_*)
 from nemo_ac.models import mixer_kernels as _registers_mixer_kernel_ops  # noqa: F401  (fla / mamba_ssm)
@@ -91,6 +90,24 @@ _COMMUNICATION = (
 _NEVER_CACHED_NAMESPACES = ("profiler", "fsdp", "c10d")
 
 
+class SelectiveChoices(Protocol):
+    """What a selective region saves, as the plan decided it (``plan.SelectiveACPlan``; the recipe's
+    ``SelectiveACConfig`` has the same fields, for callers outside a plan such as ``nemo_ac.compat``): the policy
+    reads the decision itself, no config is rebuilt from the plan."""
+
+    @property
+    def save_every_other_mm(self) -> bool: ...
+
+    @property
+    def matmul_min_flops_per_byte(self) -> int: ...
+
+    @property
+    def save_communication(self) -> bool: ...
+
+    @property
+    def save_router(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class PolicyRules:
     """What a selective region saves, resolved once per factory (op lookups are not free)."""
@@ -105,7 +122,7 @@ class PolicyRules:
     save_communication: bool
 
     @classmethod
-    def build(cls, config: SelectiveACConfig, *, extra_save_ops: Sequence[Any] = ()) -> PolicyRules:
+    def build(cls, config: SelectiveChoices, *, extra_save_ops: Sequence[Any] = ()) -> PolicyRules:
         matmuls = _packets(*_MATMULS, *_MATMULS_OPTIONAL)
         extra = frozenset(getattr(op, "overloadpacket", op) for op in extra_save_ops)
         return cls(

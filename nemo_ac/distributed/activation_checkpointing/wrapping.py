@@ -18,7 +18,6 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
-from nemo_ac.config.schema import SelectiveACConfig
 from nemo_ac.distributed.activation_checkpointing.contexts import (
     SAC_CACHE_THROUGH_SAVED_TENSORS_HOOKS,
     ContextFn,
@@ -56,15 +55,10 @@ def wrap_block(block: nn.Module, *, context_fns: Sequence[ContextFn]) -> nn.Modu
 
 
 def _sac_modes(block_plan: BlockPlan, plan: ParallelPlan) -> ContextFn:
-    selective = plan.selective
-    policy = SelectiveACConfig(
-        save_every_other_mm=selective.save_every_other_mm,
-        matmul_min_flops_per_byte=selective.matmul_min_flops_per_byte,
-        save_communication=selective.save_communication,
-        save_router=selective.save_router,
-    )
-    # The profiler-op ignore is apply_ac's, as the plan's workarounds say; the region's modes are the same either way.
-    return sac_region_context_fn(selective_policy_factory(policy, region=block_plan.path), region=block_plan.path)
+    # The policy reads the plan's decision (``SelectiveACPlan``) itself. The profiler-op ignore is apply_ac's, as the
+    # plan's workarounds say; the region's modes are the same either way.
+    policy = selective_policy_factory(plan.selective, region=block_plan.path)
+    return sac_region_context_fn(policy, region=block_plan.path)
 
 
 # RecomputeContext -> its context function for one block (every member has a row: a new word needs its maker).

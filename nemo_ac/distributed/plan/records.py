@@ -1,7 +1,8 @@
 """The plan as data: per block (``BlockPlan``) and for the run (``ParallelPlan``), typed, printable, frozen.
 
 No config section lives here: the apply steps take these records and explicit values only (the selective AC
-policy's three switches are copied into ``SelectiveACPlan``), so what a step does is what the printed plan says.
+policy reads ``SelectiveACPlan`` itself: ``activation_checkpointing.policy.SelectiveChoices``), so what a step does
+is what the printed plan says.
 """
 
 from __future__ import annotations

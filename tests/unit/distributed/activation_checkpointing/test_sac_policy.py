@@ -141,6 +141,28 @@ def test_router_outputs_are_saved_unless_disabled():
         assert _policy(save_router=False).decide(op)[0] is RECOMPUTE
 
 
+def test_policy_reads_the_plans_selective_decision():
+    """The plan's ``SelectiveACPlan`` is what the policy reads (no config rebuilt from it): a switch set in the recipe
+    reaches the policy through the plan, and the recipe section, the plan record and the policy's protocol name the
+    same switches (a switch added to one and not the others fails here)."""
+    import dataclasses
+    import typing
+
+    from nemo_ac.distributed.activation_checkpointing.policy import SelectiveChoices
+    from nemo_ac.distributed.plan import SelectiveACPlan
+
+    switches = {"save_router": False, "save_communication": False, "matmul_min_flops_per_byte": 0}
+    config = ActivationCheckpointingConfig(mode="selective", selective=SelectiveACConfig(**switches))
+    plan = decide_plan(build_model(ModelConfig()), activation_checkpointing=config)
+    rules = PolicyRules.build(plan.selective)
+    assert {name: getattr(rules, name) for name in switches} == switches
+    protocol = set(typing.get_type_hints(SelectiveChoices)) | {
+        name for name, value in vars(SelectiveChoices).items() if isinstance(value, property)
+    }
+    assert {f.name for f in dataclasses.fields(SelectiveACPlan)} == protocol
+    assert {f.name for f in dataclasses.fields(SelectiveACConfig)} == protocol
+
+
 def test_collective_outputs_are_saved_unless_disabled():
     for op in (
         torch.ops._c10d_functional.all_to_all_single.default,
