@@ -3,7 +3,7 @@
 Softmax attention gets its local op (sdpa / tiled / flex), Gated DeltaNet and Mamba-2 their core's op (fla /
 mamba_ssm, in their graph-breaking form in blocks whose compiled graphs selective AC recomputes whole), and the
 ``backend.*: te`` keys swap Transformer Engine modules in. The experts impl is not installed here: the model was
-built with it (``plan.kernels.with_kernels``). What was installed is read from the plan, never from the modules.
+built with it (``build_model(..., experts_impl=)``). What was installed is read from the plan, never from the modules.
 """
 
 from __future__ import annotations

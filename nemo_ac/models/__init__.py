@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -42,12 +43,16 @@ def model_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
-def build_model(cfg: ModelConfig, *, device: torch.device | str = "meta") -> nn.Module:
-    """Builds the family's causal LM on ``device`` (meta by default: no memory, no init cost)."""
+def build_model(cfg: ModelConfig, *, experts_impl: str | None = None, device: torch.device | str = "meta") -> nn.Module:
+    """Builds the family's causal LM on ``device`` (meta by default: no memory, no init cost). ``experts_impl``:
+    the experts kernel the plan chose (``KernelPlan.experts``), built in place of ``cfg.moe.experts_impl`` (the
+    recipe keeps what the user wrote, ``auto`` included)."""
     builder = MODEL_BUILDERS.get(cfg.family)
     if builder is None:
         raise NotImplementedError(
             f"model family {cfg.family!r} is not implemented yet (implemented: {', '.join(sorted(MODEL_BUILDERS))})"
         )
+    if experts_impl is not None:
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, experts_impl=experts_impl))
     with torch.device(device):
         return builder(cfg)

@@ -7,15 +7,15 @@ own code under FakeTensorMode, counted by ``StepCounter`` and torch's ``FSDPMemT
 
 What cannot run here is replaced, and every replacement is listed in the report (``Simulation.stand_ins``): the
 device is the CPU (fake tensors have no GPU memory either way; FSDP2's CUDA streams need a GPU), so kernels that
-need CUDA run as their CPU counterparts of the same work (FlexAttention -> the tiled op, both visible pairs only;
-Transformer Engine -> torch modules; DeepEP -> the all-to-all dispatcher under the same routing assumption;
-fla / mamba-ssm -> the torch ops); torch.compile is not applied (the eager op stream is counted). Data-dependent
+need CUDA run as their CPU counterparts of the same work, through one declared table applied to the plan
+(``simulate.stand_ins``: FlexAttention -> the tiled op, both visible pairs only; Transformer Engine -> torch modules;
+DeepEP -> the all-to-all dispatcher under the same routing assumption; fla / mamba-ssm run their custom ops' fake
+implementations); torch.compile is not applied (the eager op stream is counted). Data-dependent
 sizes come from stated assumptions (``RoutingAssumption``, ``DataAssumption``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import resource
 import time
 from dataclasses import dataclass, field
@@ -24,14 +24,13 @@ import torch
 from torch import nn
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
-from nemo_ac.config.hf import family_rules
 from nemo_ac.config.layout import ParallelLayout
 from nemo_ac.config.schema import RecipeConfig
 from nemo_ac.data.batch import PackedBatch
 from nemo_ac.data.sources import recipe_batches
 from nemo_ac.distributed.mesh import ParallelMeshes
 from nemo_ac.distributed.plan import ParallelPlan
-from nemo_ac.distributed.plan.kernels import resolve_mixer_kernel
+from nemo_ac.distributed.plan.kernels import recipe_kernels
 from nemo_ac.simulate.counters import WORLD, StepCounter
 from nemo_ac.simulate.fusion import CompiledRegions
 from nemo_ac.simulate.host_shards import add_host_shard_costs, fsdp_unit_shards, staging_bytes
@@ -39,9 +38,15 @@ from nemo_ac.simulate.host_shards import describe as describe_host_shards
 from nemo_ac.simulate.inputs import DataAssumption, reads_offline, standin_micro_batches
 from nemo_ac.simulate.memory import HOST_CATEGORIES, HandAdded, PeakSampler, host_bytes
 from nemo_ac.simulate.routing import DeepEPRouting, RoutingAssumption, install_assumed_routing
+from nemo_ac.simulate.stand_ins import (
+    DEEPEP_BUFFER_BYTES,
+    executed_kernels,
+    execution_recipe,
+    planned_gpu_kernel_notes,
+)
 from nemo_ac.simulate.step import StepMeasurement, measure_step, start_like_a_later_step
 from nemo_ac.trainer.batching import make_batch_preparer
-from nemo_ac.trainer.build import DryRunTarget, build_trainer, build_training, choose_kernels, plan_recipe, quiet_logger
+from nemo_ac.trainer.build import DryRunTarget, build_trainer, build_training, plan_recipe, quiet_logger
 from nemo_ac.trainer.loop import count_tokens
 from nemo_ac.trainer.optim import adamw_implementation
 from nemo_ac.workarounds.fake_world import (
@@ -50,10 +55,6 @@ from nemo_ac.workarounds.fake_world import (
     fake_process_group,
     fake_tensor_mode,
 )
-
-# DeepEP's NVLink + RDMA buffers (deep_ep.Buffer, outside torch's allocator): DeepEP's tests size them at ~1 GB each
-# for hidden 7168 in bf16; added by hand, as an assumption, when the recipe's dispatcher is deepep.
-DEEPEP_BUFFER_BYTES = 2 * 2**30
 
 
 class SimulationError(RuntimeError):
@@ -93,75 +94,6 @@ def target_device_type(recipe: RecipeConfig) -> str:
     if recipe.dist.device == "cpu" or (recipe.dist.device == "auto" and recipe.dist.backend == "gloo"):
         return "cpu"
     return "cuda"
-
-
-def with_gpu_kernels(
-    recipe: RecipeConfig, layout: ParallelLayout, *, device_type: str
-) -> tuple[RecipeConfig, list[str]]:
-    """``auto`` mixer kernels as a CUDA node with nemo_ac's optional GPU kernels installed resolves them (fla for
-    Gated DeltaNet, mamba-ssm for Mamba-2; the torch op under ring CP: ``distributed.plan.kernels``' own rule), and
-    the assumption said when one applies. Their custom ops run in the dry run through their fake implementations:
-    no kernel package is needed here."""
-    changes: dict[str, str] = {}
-    for mixer in family_rules(recipe.model.family).recurrent_mixers(recipe.model):
-        key = mixer.backend_key
-        if getattr(recipe.backend, key) != "auto":
-            continue
-        chosen = resolve_mixer_kernel(
-            key,
-            "auto",
-            device_type=device_type,
-            cp=layout.cp,
-            cp_type=recipe.parallel.cp_type,
-            assume_installed=True,
-        )
-        if chosen.value != "torch":
-            changes[key] = chosen.value
-    if not changes:
-        return recipe, []
-    named = ", ".join(f"backend.{key} auto -> {kernel}" for key, kernel in changes.items())
-    note = f"{named}, as on a CUDA node with the kernel installed (set backend.<key>=torch to plan without)"
-    return dataclasses.replace(recipe, backend=dataclasses.replace(recipe.backend, **changes)), [note]
-
-
-def simulation_recipe(recipe: RecipeConfig, *, device_type: str) -> tuple[RecipeConfig, list[str]]:
-    """The recipe the dry run executes on the CPU, and every stand-in it took (``recipe``: kernels resolved for
-    ``device_type``)."""
-    stand_ins: list[str] = []
-    backend = recipe.backend
-    attention = backend.attention
-    if attention in ("flex", "te"):
-        stand_ins.append(f"attention {attention} -> tiled (the same visible pairs; flex and te need CUDA)")
-        attention = "tiled"
-    if backend.linear == "te" or backend.rms_norm == "te":
-        stand_ins.append("Transformer Engine linear / RMSNorm -> torch modules (the same GEMMs and norms)")
-    if backend.dispatcher == "deepep":
-        stand_ins.append(
-            "DeepEP dispatch / combine -> the all-to-all dispatcher under the same routing assumption (the same rows "
-            "arrive; costed as DeepEP sends them: a token once per destination rank over NVLink, once per destination "
-            f"node over RDMA; DeepEP's own buffers added by hand: {DEEPEP_BUFFER_BYTES / 2**30:.0f} GiB)"
-        )
-    if device_type != "cpu":
-        stand_ins.append(f"device {device_type} -> cpu (fake tensors: no memory either way)")
-    if recipe.compile.enabled:
-        stand_ins.append(
-            "torch.compile not applied: the eager op stream runs; the compiled blocks' ops are costed at the bytes "
-            "inductor's fusion leaves (simulate.fusion)"
-        )
-    sim_backend = dataclasses.replace(
-        backend,
-        attention=attention,
-        linear="torch",
-        rms_norm="torch",
-        dispatcher="torch",
-    )
-    sim = dataclasses.replace(
-        recipe,
-        backend=sim_backend,
-        compile=dataclasses.replace(recipe.compile, enabled=False),
-        dist=dataclasses.replace(recipe.dist, device="cpu", backend="gloo"),
-    )
-    return sim, stand_ins
 
 
 def mesh_group_labels(meshes: ParallelMeshes) -> dict[str, str]:
@@ -209,20 +141,24 @@ def _micro_batches(
     return batches + batches[-1:] * (per_step - built), options.data.describe(recipe)
 
 
-def target_plan(recipe: RecipeConfig, layout: ParallelLayout) -> tuple[RecipeConfig, ParallelPlan, str, list[str]]:
-    """The plan the recipe gets on its own device (``auto`` GPU kernels resolved, ``with_gpu_kernels``): the recipe
-    with them, the plan, the device type and the kernel notes. What the report prints, full depth or scaled."""
+def target_plan(recipe: RecipeConfig, layout: ParallelLayout) -> tuple[ParallelPlan, str, list[str]]:
+    """The plan the recipe gets on its own device, ``auto`` GPU kernels resolved as on a node that has them
+    (``recipe_kernels(..., assume_installed=True)``): the plan, the device type and the kernel assumption said. What
+    the report prints, full depth or scaled."""
     device_type = target_device_type(recipe)
-    recipe, kernel_notes = with_gpu_kernels(recipe, layout, device_type=device_type)
-    return recipe, plan_recipe(recipe, layout, device_type=device_type), device_type, kernel_notes
+    kernels = recipe_kernels(recipe, device_type=device_type, assume_installed=device_type == "cuda")
+    plan = plan_recipe(recipe, layout, device_type=device_type, kernels=kernels)
+    return plan, device_type, planned_gpu_kernel_notes(recipe, kernels)
 
 
 def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOptions) -> Simulation:
     """The dry run of ``recipe`` at ``layout`` (module docstring). Raises ``SimulationError`` naming what failed."""
     started = time.perf_counter()
-    recipe, plan, device_type, kernel_notes = target_plan(recipe, layout)
-    target, _ = choose_kernels(recipe, device_type=device_type)
-    sim_recipe, stand_ins = simulation_recipe(target, device_type=device_type)
+    plan, device_type, kernel_notes = target_plan(recipe, layout)
+    # What executes here: the plan's kernels through the stand-in table, the recipe on the CPU without compile.
+    kernels, kernel_stand_ins = executed_kernels(plan.kernels)
+    sim_recipe, execution_notes = execution_recipe(recipe, device_type=device_type)
+    stand_ins = kernel_stand_ins + execution_notes
     # Expert parallel and DeepEP as the plan decided them (the plan refuses DeepEP without expert parallel).
     expert_parallel, uses_deepep = plan.ep > 1, plan.kernels.dispatcher.value == "deepep"
     if expert_parallel:
@@ -250,7 +186,10 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
             layout,
             device=torch.device("cpu"),
             dry_run=DryRunTarget(
-                planned_device_type=device_type, materialize=materialize, prepare_model=install_routing
+                planned_device_type=device_type,
+                materialize=materialize,
+                prepare_model=install_routing,
+                kernels=kernels,
             ),
         )
         model, meshes, optimizer, applied = setup.model, setup.meshes, setup.optimizer, setup.plan

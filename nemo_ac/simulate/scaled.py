@@ -126,7 +126,7 @@ def simulate_scaled(recipe: RecipeConfig, layout: ParallelLayout, options: Simul
         for term, value in base.host_bytes.items()
     }
     described = ", ".join(f"{counts[kind]} x {kind}" for kind in order)
-    _, full, _, _ = target_plan(recipe, layout)
+    full, _, _ = target_plan(recipe, layout)
     return dataclasses.replace(
         base,
         recipe=recipe,

@@ -28,7 +28,7 @@ from nemo_ac.config.layout import ParallelLayout
 from nemo_ac.data.sources import recipe_batches
 from nemo_ac.distributed.mesh import ParallelMeshes, build_meshes
 from nemo_ac.distributed.parallelize import parallelize
-from nemo_ac.distributed.plan import KernelPlan, ParallelPlan, decide_plan, recipe_kernels, with_kernels
+from nemo_ac.distributed.plan import KernelPlan, ParallelPlan, decide_plan, recipe_kernels
 from nemo_ac.models import build_model
 from nemo_ac.models.freeze import freeze
 from nemo_ac.trainer.batching import make_batch_preparer
@@ -72,19 +72,14 @@ class DryRunTarget:
     planned_device_type: str
     materialize: Callable[[nn.Module], str]
     prepare_model: Callable[[nn.Module, ParallelMeshes], None] | None = None
+    # The kernels the dry run executes: the planned ones with the CPU stand-ins of the CUDA-only kernels
+    # (``simulate.stand_ins``); left out, resolved for the CPU as a run there would.
+    kernels: KernelPlan | None = None
 
     @property
     def host(self) -> str:
         """Where offloaded tensors go: "meta" on a GPU plan (out of the device's accounting), else "cpu"."""
         return "meta" if self.planned_device_type == "cuda" else "cpu"
-
-
-def choose_kernels(recipe: RecipeConfig, *, device_type: str) -> tuple[RecipeConfig, KernelPlan]:
-    """The run's ``KernelPlan`` for ``device_type`` (``distributed.plan.kernels``, the one place ``auto`` kernels
-    are resolved) and the recipe with it written in. Chosen before the model is built, so the modules are built
-    with their kernel (no swapping afterwards)."""
-    kernels = recipe_kernels(recipe, device_type=device_type)
-    return with_kernels(recipe, kernels), kernels
 
 
 def decide_recipe_plan(
@@ -117,14 +112,21 @@ def decide_recipe_plan(
 
 
 def plan_recipe(
-    recipe: RecipeConfig, layout: ParallelLayout, *, device_type: str, torch_version: str | None = None
+    recipe: RecipeConfig,
+    layout: ParallelLayout,
+    *,
+    device_type: str,
+    torch_version: str | None = None,
+    kernels: KernelPlan | None = None,
 ) -> ParallelPlan:
     """The plan a run of ``recipe`` at ``layout`` on ``device_type`` would apply, from the model on meta (no process
     group, no weights): what ``nemo-ac validate`` checks (``preflight``) and ``--plan`` prints. ``ConfigError``
-    for a layout the plan refuses. ``torch_version`` decides the workaround gates as if that torch were running."""
-    recipe, kernels = choose_kernels(recipe, device_type=device_type)
+    for a layout the plan refuses. ``torch_version`` decides the workaround gates as if that torch were running.
+    ``kernels``: the ``KernelPlan`` to plan with (left out: ``recipe_kernels`` for ``device_type``, as a run on this
+    machine resolves them)."""
+    kernels = kernels if kernels is not None else recipe_kernels(recipe, device_type=device_type)
     return decide_recipe_plan(
-        build_model(recipe.model),
+        build_model(recipe.model, experts_impl=kernels.experts.value),
         recipe,
         kernels=kernels,
         ep=layout.ep,
@@ -137,12 +139,13 @@ def plan_recipe(
 def build_parallel_model(
     recipe: RecipeConfig, layout: ParallelLayout, *, device: torch.device, kernels: KernelPlan | None = None
 ) -> tuple[nn.Module, ParallelMeshes, ParallelPlan]:
-    """Meshes, the model on meta, parallelized as the recipe says (weights not yet materialized), and its plan.
-    ``kernels``: the ``KernelPlan`` ``recipe`` was written with (``choose_kernels``); left out, resolved for
-    ``device``."""
+    """Meshes, the model on meta built with the plan's kernels, parallelized as the recipe says (weights not yet
+    materialized), and its plan. ``kernels``: left out, ``recipe_kernels`` for ``device`` (the one resolution of
+    ``auto``; the recipe itself is never rewritten with the choices)."""
+    kernels = kernels if kernels is not None else recipe_kernels(recipe, device_type=device.type)
     meshes = build_meshes(layout, device_type=device.type)
     torch.manual_seed(recipe.train.seed)
-    model = build_model(recipe.model)
+    model = build_model(recipe.model, experts_impl=kernels.experts.value)
     plan = decide_recipe_plan(
         model, recipe, kernels=kernels, ep=layout.ep, cp=layout.cp, device_type=meshes.device_type
     )
@@ -156,7 +159,7 @@ def build_training(
     """The parallelized model with its weights, frozen groups, optimizer, scheduler and this rank's data: the one
     build sequence (module docstring). ``dry_run``: build the dry run's twin instead (``DryRunTarget``; no data
     source: the dry run makes its own micro batches)."""
-    recipe, kernels = choose_kernels(recipe, device_type=device.type)
+    kernels = dry_run.kernels if dry_run is not None else None
     model, meshes, plan = build_parallel_model(recipe, layout, device=device, kernels=kernels)
     if dry_run is None:
         weights = materialize_weights(

@@ -17,7 +17,7 @@ a traced checkpoint skips the whole region). Blocks holding modules Dynamo will 
 """
 
 from nemo_ac.distributed.plan.decide import BlockFacts, decide_plan
-from nemo_ac.distributed.plan.kernels import Chosen, KernelPlan, recipe_kernels, resolve_kernels, with_kernels
+from nemo_ac.distributed.plan.kernels import Chosen, KernelPlan, recipe_kernels, resolve_kernels
 from nemo_ac.distributed.plan.layout import ops_between_compiled_graphs, resolve_layout
 from nemo_ac.distributed.plan.records import (
     AppliedPlan,
@@ -57,5 +57,4 @@ __all__ = [
     "recipe_kernels",
     "resolve_kernels",
     "resolve_layout",
-    "with_kernels",
 ]

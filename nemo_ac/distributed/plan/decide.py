@@ -254,9 +254,10 @@ def decide_plan(
     work, listing every rule broken.
 
     A section left out is its schema default (``model_config``: the model's own ``config``; ``data``: whether rows
-    vary in length, for the compiled blocks' dynamic token dims); ``ep`` / ``cp`` are the
-    mesh sizes; ``optimizer_offload``: ``train.optimizer_offload`` (``full`` puts FSDP's shards on the host); ``kernels``: the run's ``KernelPlan`` (the one the model was built with); left out, resolved here
-    from ``backend`` for ``device_type``. ``torch_version`` decides the workaround gates as if that torch ran.
+    vary in length, for the compiled blocks' dynamic token dims); ``ep`` / ``cp`` are the mesh sizes;
+    ``optimizer_offload``: ``train.optimizer_offload`` (``full`` puts FSDP's shards on the host); ``kernels``: the
+    run's ``KernelPlan`` (the one the model was built with); left out, resolved here from ``backend`` for
+    ``device_type``. ``torch_version`` decides the workaround gates as if that torch ran.
     """
     model_config = model_config if model_config is not None else model.config
     parallel = parallel if parallel is not None else ParallelConfig()

@@ -3,10 +3,12 @@
 Inputs: the recipe's ``backend`` section and ``model.moe.experts_impl``, the run's device type and compute dtype,
 the context-parallel layout (ring CP always runs the recurrent mixers' torch ops) and which optional packages
 import here. Output: a ``KernelPlan``, one typed ``Chosen`` per kernel with the reason ``auto`` gave (``auto: cpu
-float32``). The run builds the model with the experts impl it names (``with_kernels`` puts the choices into the
-recipe before ``build_model``: a kernel is chosen when the plan is made, never swapped in after the fact); the
-parallel plan stores it (``ParallelPlan.kernels``), derives each block's kernel labels from it, and
-``apply_kernels`` installs the ops it names. Nothing reads a choice back from a module.
+float32``). The run builds the model with the experts impl it names (``build_model(..., experts_impl=)``: a
+kernel is chosen when the plan is made, never swapped in after the fact); the parallel plan stores it
+(``ParallelPlan.kernels``), derives each block's kernel labels from it, and ``apply_kernels`` installs the ops it
+names. Nothing reads a choice back from a module, and nothing writes one into the recipe: the recipe keeps what the
+user wrote (``auto`` included), the plan says what runs; the dry run's CPU stand-ins for CUDA-only kernels are one
+declared table applied to the plan (``simulate.stand_ins``).
 
 Why one place: a choice resolved where each kernel's module lives, again in the rules and again in the trainer,
 can disagree with itself (the attention kernel the plan prints vs. the one the model runs), and a choice read back
@@ -148,9 +150,11 @@ def resolve_kernels(
     param_dtype: str,
     cp: int = 1,
     cp_type: str = "ulysses",
+    assume_installed: bool = False,
 ) -> KernelPlan:
     """The run's ``KernelPlan`` (module docstring). ``param_dtype``: the compute dtype's name
-    (``parallel.fsdp.param_dtype``)."""
+    (``parallel.fsdp.param_dtype``). ``assume_installed``: ``auto`` mixer kernels as on a CUDA node that has their
+    packages (``resolve_mixer_kernel``; the full-size dry run plans for one)."""
     moe = model.moe
     experts = choose_experts_impl(
         moe.experts_impl,
@@ -165,7 +169,14 @@ def resolve_kernels(
         return f"auto: {basis}" if requested == "auto" else "set"
 
     mixers = {
-        kind: resolve_mixer_kernel(kind, getattr(backend, kind), device_type=device_type, cp=cp, cp_type=cp_type)
+        kind: resolve_mixer_kernel(
+            kind,
+            getattr(backend, kind),
+            device_type=device_type,
+            cp=cp,
+            cp_type=cp_type,
+            assume_installed=assume_installed,
+        )
         for kind in ("linear_attention", "mamba")
     }
     return KernelPlan(
@@ -179,7 +190,7 @@ def resolve_kernels(
     )
 
 
-def recipe_kernels(recipe: RecipeConfig, *, device_type: str) -> KernelPlan:
+def recipe_kernels(recipe: RecipeConfig, *, device_type: str, assume_installed: bool = False) -> KernelPlan:
     """``resolve_kernels`` for a recipe at its own CP layout."""
     return resolve_kernels(
         model=recipe.model,
@@ -188,15 +199,5 @@ def recipe_kernels(recipe: RecipeConfig, *, device_type: str) -> KernelPlan:
         param_dtype=recipe.parallel.fsdp.param_dtype,
         cp=recipe.parallel.cp,
         cp_type=recipe.parallel.cp_type,
+        assume_installed=assume_installed,
     )
-
-
-def with_kernels(recipe: RecipeConfig, kernels: KernelPlan) -> RecipeConfig:
-    """The recipe with the model's kernels written in, so ``build_model`` builds the experts with their impl (and
-    the recipe the run saves says which ran). The mixer kernels stay as the recipe says: an explicit ``fla`` in a
-    saved recipe would be refused where the packages are missing, ``auto`` resolves the same way again."""
-    model = dataclasses.replace(
-        recipe.model, moe=dataclasses.replace(recipe.model.moe, experts_impl=kernels.experts.value)
-    )
-    backend = dataclasses.replace(recipe.backend, attention=kernels.attention.value)
-    return dataclasses.replace(recipe, model=model, backend=backend)

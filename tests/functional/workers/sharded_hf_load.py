@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from nemo_ac.config import load_recipe, validate_recipe
 from nemo_ac.models import build_model
 from nemo_ac.runtime import destroy_distributed, exit_process, init_distributed
-from nemo_ac.trainer.build import build_parallel_model, choose_kernels
+from nemo_ac.trainer.build import build_parallel_model
 from nemo_ac.trainer.checkpoint.hf_safetensors import ReadStats, export_hf_checkpoint, load_hf_checkpoint, model_tensors
 from tests.factories import read_dir
 
@@ -63,7 +63,6 @@ def main(checkpoint: str, out_path: str, overrides: list[str]) -> int:
     recipe = load_recipe(str(RECIPE), overrides)
     env = init_distributed(recipe.dist)
     layout = validate_recipe(recipe, world_size=env.world_size)
-    recipe, _ = choose_kernels(recipe, device_type=env.device.type)
     root = Path(checkpoint)
     model, _, _ = build_parallel_model(recipe, layout, device=env.device)
     model.to_empty(device=env.device)

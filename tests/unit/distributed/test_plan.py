@@ -22,7 +22,7 @@ from nemo_ac.distributed.plan import (
 )
 from nemo_ac.models import build_model
 from nemo_ac.models.layers.experts import GroupedExperts
-from nemo_ac.trainer.build import choose_kernels, plan_recipe
+from nemo_ac.trainer.build import plan_recipe
 from tests.launch import RECIPES
 
 MAKE_RUN = RECIPES / "tiny" / "qwen3_6_medpix_tiny.yaml"
@@ -159,8 +159,9 @@ def test_the_readme_shows_the_plan_make_run_prints():
 
 
 def test_kernels_are_decided_once_and_the_model_is_built_with_them():
-    """One ``KernelPlan`` per run: the recipe the model is built from carries its experts impl, the printed kernels
-    line reads from it, and the block labels derive from it (the model is never probed for what was chosen)."""
+    """One ``KernelPlan`` per run: the model is built with its experts impl (the recipe keeps the ``auto`` the user
+    wrote), the printed kernels line reads from it, and the block labels derive from it (the model is never probed
+    for what was chosen)."""
     recipe = load_recipe(str(MAKE_RUN))
     kernels = recipe_kernels(recipe, device_type="cpu")
     assert kernels.experts == Chosen("grouped_mm", "auto: cpu float32")
@@ -169,12 +170,13 @@ def test_kernels_are_decided_once_and_the_model_is_built_with_them():
         "kernels | experts grouped_mm (auto: cpu float32) | attention tiled (auto: cpu) | "
         "linear_attention torch (auto: cpu) | mamba torch (auto: cpu) | linear torch (set)"
     )
-    built, _ = choose_kernels(recipe, device_type="cpu")
-    model = build_model(built.model)
+    model = build_model(recipe.model, experts_impl=kernels.experts.value)
     assert {m.impl for m in model.modules() if isinstance(m, GroupedExperts)} == {"grouped_mm"}
+    assert (recipe.model.moe.experts_impl, recipe.backend.attention) == ("auto", "auto")
+    assert plan_recipe(recipe, validate_recipe(recipe, world_size=4), device_type="cpu").kernels == kernels
     # The label follows the plan's choice, not an attribute of the module.
     loop = dataclasses.replace(kernels, experts=Chosen("loop", "set"))
-    plan = decide_plan(model, model_config=built.model, parallel=built.parallel, kernels=loop)
+    plan = decide_plan(model, model_config=recipe.model, parallel=recipe.parallel, kernels=loop)
     labels = {dict(b.kernels)["experts"] for b in plan.decoder_blocks()}
     assert plan.kernels is loop and labels == {"loop"}
 
