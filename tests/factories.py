@@ -9,13 +9,13 @@ import dataclasses
 import importlib.util
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from nemo_ac.config.schema import LinearAttentionConfig, MambaConfig, ModelConfig, MoEConfig
+from nemo_ac.config.schema import LinearAttentionConfig, MambaConfig, ModelConfig, MoEConfig, VisionConfig
 from nemo_ac.distributed.activation_checkpointing import ContextFn, sac_region_context_fn, selective_policy_factory
 from nemo_ac.distributed.context_parallel.ring import ring_block_update, ring_kernel_step
 from nemo_ac.distributed.context_parallel.sharding import ring_attention_inputs, shard_positions
@@ -115,23 +115,48 @@ def nemotron_config(latent_size: int = 16, **overrides: object) -> ModelConfig:
     return ModelConfig(**base)  # type: ignore[arg-type]
 
 
-def qwen3_5_config() -> ModelConfig:
-    """A tiny Qwen3.5-MoE text decoder: Gated DeltaNet layer then gated attention layer, partial M-RoPE."""
-    return ModelConfig(
-        family="qwen3_5_moe",
-        vocab_size=96,
-        hidden_size=48,
-        num_layers=2,
-        layer_pattern="LA",
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=12,
-        partial_rotary_factor=0.5,
-        mrope_section=[1, 1, 1],
-        rms_norm_eps=1e-6,
-        attn_output_gate=True,
-        init_std=0.1,
-        moe=MoEConfig(
+# A tiny Qwen3.5 vision tower (the ``vision`` overrides of ``qwen3_5_config`` start from it): 4-pixel patches, two
+# frames per temporal patch, 2x2 merge, a 3x3 position table; image / vision-start / vision-end token ids 5 / 3 / 4.
+QWEN3_5_VISION = VisionConfig(
+    depth=1,
+    hidden_size=16,
+    num_heads=2,
+    intermediate_size=24,
+    patch_size=4,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    num_position_embeddings=9,
+    image_token_id=5,
+    vision_start_token_id=3,
+    vision_end_token_id=4,
+)
+
+
+def qwen3_5_config(
+    *,
+    moe: Mapping[str, object] | None = None,
+    linear_attention: Mapping[str, object] | None = None,
+    vision: Mapping[str, object] | None = None,
+    **overrides: object,
+) -> ModelConfig:
+    """A tiny Qwen3.5-MoE decoder: Gated DeltaNet layer then gated attention layer, partial M-RoPE. ``moe`` /
+    ``linear_attention``: fields that differ from this config's sections; ``vision``: a vision tower, the fields
+    that differ from ``QWEN3_5_VISION`` (left out: text only); ``overrides``: top-level ``ModelConfig`` fields."""
+    base: dict[str, object] = {
+        "family": "qwen3_5_moe",
+        "vocab_size": 96,
+        "hidden_size": 48,
+        "num_layers": 2,
+        "layer_pattern": "LA",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 12,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [1, 1, 1],
+        "rms_norm_eps": 1e-6,
+        "attn_output_gate": True,
+        "init_std": 0.1,
+        "moe": MoEConfig(
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=16,
@@ -140,10 +165,19 @@ def qwen3_5_config() -> ModelConfig:
             norm_topk_prob=True,
             router_dtype="param",  # transformers' Qwen3.5 router runs in the parameter dtype
         ),
-        linear_attention=LinearAttentionConfig(
+        "linear_attention": LinearAttentionConfig(
             num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6, conv_kernel=4, chunk_size=8
         ),
+    }
+    base["moe"] = dataclasses.replace(base["moe"], **(moe or {}))  # type: ignore[arg-type]
+    base["linear_attention"] = dataclasses.replace(
+        base["linear_attention"],  # type: ignore[arg-type]
+        **(linear_attention or {}),
     )
+    if vision is not None:
+        base["vision"] = dataclasses.replace(QWEN3_5_VISION, **vision)
+    base.update(overrides)
+    return ModelConfig(**base)  # type: ignore[arg-type]
 
 
 # HF family (model_type) -> its tiny text-only config, for the config.json and safetensors round trips.

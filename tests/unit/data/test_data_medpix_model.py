@@ -7,13 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nemo_ac.config.schema import DataConfig, LinearAttentionConfig, ModelConfig, MoEConfig, VisionConfig
+from nemo_ac.config.schema import DataConfig
 from nemo_ac.data.batch import IGNORE_INDEX
 from nemo_ac.data.image_processing import ImagePreprocessor
 from nemo_ac.data.medpix import MedPixBatches
 from nemo_ac.models import build_model
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.models.layers.attention import build_attention_inputs
+from tests.factories import qwen3_5_config
 
 pytest.importorskip("PIL", reason="MedPix images need pillow (the hf extra)")
 
@@ -38,37 +39,26 @@ def test_pixels_match_transformers_qwen2vl_image_processor(size: tuple[int, int]
 
 
 def test_tiny_model_trains_on_packed_medpix_batches() -> None:
-    vision = VisionConfig(
-        depth=1,
-        hidden_size=16,
-        num_heads=2,
-        intermediate_size=32,
-        patch_size=4,
-        temporal_patch_size=2,
-        spatial_merge_size=2,
-        num_position_embeddings=16,
-    )
-    cfg = ModelConfig(
-        family="qwen3_5_moe",
+    cfg = qwen3_5_config(
         vocab_size=262,
         hidden_size=32,
-        num_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=8,
-        layer_pattern="LA",
-        attn_output_gate=True,
+        partial_rotary_factor=1.0,
         mrope_section=[2, 1, 1],
-        moe=MoEConfig(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=16,
-            shared_expert_gate=True,
-        ),
-        linear_attention=LinearAttentionConfig(num_key_heads=1, num_value_heads=2, key_head_dim=8, value_head_dim=8),
-        vision=vision,
+        init_std=0.02,
+        moe={"shared_expert_intermediate_size": 16},
+        linear_attention={"num_key_heads": 1, "num_value_heads": 2, "value_head_dim": 8, "chunk_size": 16},
+        vision={
+            "intermediate_size": 32,
+            "num_position_embeddings": 16,
+            "image_token_id": 3,
+            "vision_start_token_id": 1,
+            "vision_end_token_id": 2,
+        },
     )
+    vision = cfg.vision
     model = materialize_and_init(build_model(cfg), device="cpu", seed=0)
     data = MedPixBatches(
         DataConfig(kind="medpix", path="synthetic:12", max_length=136),

@@ -5,44 +5,50 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_ac.config.schema import LinearAttentionConfig, ModelConfig, MoEConfig, VisionConfig
+from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models import build_model
 from nemo_ac.models.freeze import freeze, parameter_groups
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.models.layers.attention import build_attention_inputs
+from tests.factories import qwen3_5_config
 
 
 def _vl_model(tie: bool = False):
-    cfg = ModelConfig(
-        family="qwen3_5_moe",
+    cfg = qwen3_5_config(
         vocab_size=48,
         hidden_size=16,
-        num_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=8,
-        layer_pattern="LA",
-        attn_output_gate=True,
+        partial_rotary_factor=1.0,
         mrope_section=[2, 1, 1],
+        init_std=0.02,
         tie_word_embeddings=tie,
-        moe=MoEConfig(
-            num_experts=2,
-            num_experts_per_tok=1,
-            moe_intermediate_size=8,
-            shared_expert_intermediate_size=8,
-            shared_expert_gate=True,
-        ),
-        linear_attention=LinearAttentionConfig(num_key_heads=1, num_value_heads=1, key_head_dim=4, value_head_dim=4),
-        vision=VisionConfig(
-            depth=1,
-            hidden_size=8,
-            num_heads=1,
-            intermediate_size=8,
-            patch_size=2,
-            temporal_patch_size=1,
-            spatial_merge_size=2,
-            num_position_embeddings=4,
-        ),
+        moe={
+            "num_experts": 2,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": 8,
+            "shared_expert_intermediate_size": 8,
+        },
+        linear_attention={
+            "num_key_heads": 1,
+            "num_value_heads": 1,
+            "key_head_dim": 4,
+            "value_head_dim": 4,
+            "chunk_size": 16,
+        },
+        # image / vision-start / vision-end ids 3 / 1 / 2: the ids of the test's image document
+        vision={
+            "hidden_size": 8,
+            "num_heads": 1,
+            "intermediate_size": 8,
+            "patch_size": 2,
+            "temporal_patch_size": 1,
+            "num_position_embeddings": 4,
+            "image_token_id": 3,
+            "vision_start_token_id": 1,
+            "vision_end_token_id": 2,
+        },
     )
     return materialize_and_init(build_model(cfg), device="cpu", seed=0)
 
@@ -98,7 +104,7 @@ def test_unfreeze_and_tied_embeddings() -> None:
 
 
 def test_vision_flags_need_a_vision_tower() -> None:
-    text = build_model(ModelConfig(family="qwen3_5_moe", layer_pattern="LA"))
+    text = build_model(qwen3_5_config())  # text only
     with pytest.raises(ValueError, match=r"train\.freeze\.vision_tower"):
         freeze(text, vision_tower=True)
     frozen = freeze(build_model(ModelConfig()), language_model=True)  # any family: qwen3_moe has no visual

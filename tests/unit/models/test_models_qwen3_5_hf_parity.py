@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_ac.config.schema import LinearAttentionConfig, ModelConfig, MoEConfig, VisionConfig
+from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models import build_model
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.models.layers.attention import build_attention_inputs
+from tests.factories import qwen3_5_config
 
 transformers = pytest.importorskip("transformers", reason="transformers is not importable; HF parity needs it")
 pytest.importorskip(
@@ -19,45 +20,20 @@ IMAGE, VSTART, VEND = 5, 3, 4
 
 
 def _configs(*, vision: bool) -> tuple[ModelConfig, object]:
-    cfg = ModelConfig(
-        family="qwen3_5_moe",
-        vocab_size=96,
-        hidden_size=48,
+    cfg = qwen3_5_config(
         num_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=12,
-        partial_rotary_factor=0.5,  # rotary_dim 6 of 12: exercises the pass-through half
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        attn_output_gate=True,
-        init_std=0.1,  # larger than default so routing, gates and attention are far from uniform
         layer_pattern="LALL",
-        mrope_section=[1, 1, 1],
-        moe=MoEConfig(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=24,
-            shared_expert_gate=True,
-            norm_topk_prob=True,
-        ),
-        linear_attention=LinearAttentionConfig(
-            num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6, conv_kernel=4, chunk_size=8
-        ),
-        vision=VisionConfig(
-            depth=2 if vision else 0,
-            hidden_size=32,
-            num_heads=2,
-            intermediate_size=40,
-            patch_size=4,
-            temporal_patch_size=2,
-            spatial_merge_size=2,
-            num_position_embeddings=9,  # a 3x3 table resampled to larger grids
-            image_token_id=IMAGE,
-            vision_start_token_id=VSTART,
-            vision_end_token_id=VEND,
-        ),
+        rope_theta=10000.0,
+        # partial_rotary_factor 0.5: rotary_dim 6 of 12 exercises the pass-through half; init_std 0.1: routing, gates
+        # and attention far from uniform
+        vision={
+            "depth": 2 if vision else 0,
+            "hidden_size": 32,
+            "intermediate_size": 40,
+            "image_token_id": IMAGE,
+            "vision_start_token_id": VSTART,
+            "vision_end_token_id": VEND,
+        },  # a 3x3 position table resampled to larger grids
     )
     layer_names = {"L": "linear_attention", "A": "full_attention"}
     hf_cfg = transformers.Qwen3_5MoeConfig(

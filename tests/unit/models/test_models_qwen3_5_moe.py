@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_ac.config.schema import LinearAttentionConfig, ModelConfig, MoEConfig, VisionConfig
+from nemo_ac.config.schema import ModelConfig
 from nemo_ac.models import build_model
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.models.layers.attention import build_attention_inputs
 from nemo_ac.models.layers.mrope import multimodal_position_ids
+from tests.factories import qwen3_5_config
 
 IMAGE, VSTART, VEND = 3, 1, 2
 
 
 def _cfg(**overrides) -> ModelConfig:
-    base = dict(
-        family="qwen3_5_moe",
+    settings: dict = dict(
         vocab_size=64,
         hidden_size=32,
         num_layers=3,
@@ -25,32 +25,19 @@ def _cfg(**overrides) -> ModelConfig:
         head_dim=8,
         partial_rotary_factor=0.75,
         layer_pattern="LAL",
-        attn_output_gate=True,
-        mrope_section=[1, 1, 1],
-        init_std=0.1,
-        moe=MoEConfig(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=8,
-            shared_expert_intermediate_size=12,
-            shared_expert_gate=True,
-        ),
-        linear_attention=LinearAttentionConfig(
-            num_key_heads=1, num_value_heads=2, key_head_dim=8, value_head_dim=4, chunk_size=4
-        ),
-        vision=VisionConfig(
-            depth=1,
-            hidden_size=16,
-            num_heads=2,
-            intermediate_size=24,
-            patch_size=2,
-            temporal_patch_size=1,
-            spatial_merge_size=2,
-            num_position_embeddings=4,
-        ),
+        moe={"moe_intermediate_size": 8, "shared_expert_intermediate_size": 12},
+        linear_attention={"num_key_heads": 1, "num_value_heads": 2, "value_head_dim": 4, "chunk_size": 4},
+        vision={
+            "patch_size": 2,
+            "temporal_patch_size": 1,
+            "num_position_embeddings": 4,
+            "image_token_id": IMAGE,
+            "vision_start_token_id": VSTART,
+            "vision_end_token_id": VEND,
+        },
     )
-    base.update(overrides)
-    return ModelConfig(**base)
+    settings.update(overrides)
+    return qwen3_5_config(**settings)
 
 
 def _model(cfg: ModelConfig | None = None):
@@ -159,7 +146,7 @@ def test_layer_contract_and_paths() -> None:
         for name in ("gate", "experts", "dispatcher", "shared_expert", "shared_expert_gate"):
             assert getattr(layer.mlp, name) is not None
     assert hasattr(layers[0].linear_attn, "linear_attn_op") and hasattr(layers[1].self_attn, "attn_op")
-    text_only = build_model(_cfg(vision=VisionConfig(depth=0), layer_pattern=""))
+    text_only = build_model(_cfg(vision=None, layer_pattern=""))
     assert text_only.model.visual is None
     assert not any(k.startswith("model.visual") for k in text_only.state_dict())
     assert [layer.layer_type for layer in text_only.model.language_model.layers] == ["linear_attention"] * 3

@@ -12,12 +12,12 @@ import torch
 
 from nemo_ac.config import load_recipe
 from nemo_ac.config.hf import hf_config_dict, read_hf_config
-from nemo_ac.config.schema import LinearAttentionConfig, ModelConfig, MoEConfig, VisionConfig
+from nemo_ac.config.schema import ModelConfig, MoEConfig
 from nemo_ac.models import build_model
 from nemo_ac.models.init import materialize_and_init
 from nemo_ac.models.layers.attention import build_attention_inputs
 from nemo_ac.trainer.checkpoint.hf_safetensors import INDEX_FILE, export_hf_checkpoint, load_hf_checkpoint
-from tests.factories import QWEN36_35B_A3B
+from tests.factories import QWEN36_35B_A3B, qwen3_5_config
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="HF checkpoint IO needs safetensors")
 
@@ -28,41 +28,15 @@ FLAGSHIP = ROOT / "recipes" / "qwen3_6_35b_medpix_ep8cp2_4k.yaml"
 
 
 def tiny_config(*, vision_depth: int = 1) -> ModelConfig:
-    return ModelConfig(
-        family="qwen3_5_moe",
+    return qwen3_5_config(
         vocab_size=80,
         hidden_size=32,
-        num_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=8,
-        partial_rotary_factor=0.5,
         rope_theta=100000.0,
-        attn_output_gate=True,
-        layer_pattern="LA",
         mrope_section=[1, 1, 0],
-        init_std=0.1,
-        moe=MoEConfig(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=12,
-            shared_expert_intermediate_size=20,
-            shared_expert_gate=True,
-        ),
-        linear_attention=LinearAttentionConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=4),
-        vision=VisionConfig(
-            depth=vision_depth,
-            hidden_size=16,
-            num_heads=2,
-            intermediate_size=24,
-            patch_size=4,
-            temporal_patch_size=2,
-            spatial_merge_size=2,
-            num_position_embeddings=9,
-            image_token_id=5,
-            vision_start_token_id=3,
-            vision_end_token_id=4,
-        ),
+        moe={"moe_intermediate_size": 12, "shared_expert_intermediate_size": 20},
+        linear_attention={"value_head_dim": 4, "chunk_size": 16},
+        vision={"depth": vision_depth},
     )
 
 
