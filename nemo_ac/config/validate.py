@@ -1,9 +1,8 @@
 """Cross-field rules: impossible combinations fail here, before any process group starts.
 
 Each rule is a small function ``rule(recipe, world_size) -> list[ConfigIssue]`` in ``RULES``; every message names
-the key, the bad value and what would work. ``validate_recipe`` runs them all and resolves the parallel layout (``config.layout``: the
-layout, its sizes, context-parallel and batching rules).
-The model and data rules live in ``rules_model``, the ``_target_`` allowlist and ``extensions.allow`` in
+the key, the bad value and what would work. ``validate_recipe`` runs them all and resolves the parallel layout
+(``config.layout``: the layout, its sizes, context-parallel and batching rules). The model and data rules live in ``rules_model``, the ``_target_`` allowlist and ``extensions.allow`` in
 ``rules_extensions``, DeepEP's in ``deepep``, the mixer kernels' in ``mixer_kernels``; what differs by model family
 is what the family declares (``config.families.FamilyRules``, asked through ``config.hf.family_rules``);
 ``environment.check_environment`` separately verifies that the optional extras a recipe asks for are importable.
