@@ -168,7 +168,9 @@ def _convert(tp: Any, value: Any, key: str, issues: list[ConfigIssue]) -> Any:
         if not isinstance(value, dict):
             issues.append(ConfigIssue(key, f"expected a mapping, got {value!r}"))
             return _MISSING
-        return dict(value)
+        _, value_tp = get_args(tp) or (str, Any)
+        converted = {name: _convert(value_tp, item, _join(key, str(name)), issues) for name, item in value.items()}
+        return {name: item for name, item in converted.items() if item is not _MISSING}
     if tp is Any:
         return value
     return _convert_scalar(tp, value, key, issues)

@@ -262,6 +262,12 @@ class ActivationCheckpointingConfig:
     # none: keep every activation. full: save each block's input and recompute the whole block in backward.
     # selective: save the op outputs the selective policy picks and recompute the rest (SAC).
     mode: Literal["none", "full", "selective"] = "none"
+    # The mode of the blocks of one kind, overriding mode for them. The key is the first two fields of the plan's
+    # block line joined by "+", without "dense" / "no mixer": the block's mixer kinds, plus "moe" where it routes
+    # experts ("ssm", "moe", "softmax_attention+moe"; "mlp" for neither; "vision" for vision blocks). E.g.
+    # {softmax_attention: none} keeps every activation of Nemotron-H's attention blocks while the others recompute.
+    # A key no block of the model has is refused, naming the model's kinds.
+    by_block: dict[str, Literal["none", "full", "selective"]] = field(default_factory=dict)
     # Move what decoder blocks save for backward to host memory during forward and back for backward (pinned
     # memory + a side stream on CUDA; nemo_ac/distributed/offload.py). With mode: full that is each block's input.
     # Rejected with mode: selective and with compile.enabled (docs/offload.md).

@@ -107,18 +107,19 @@ def check_training(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
 
 def check_activation_checkpointing(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
     ac, comp = recipe.activation_checkpointing, recipe.compile
+    modes = {ac.mode, *ac.by_block.values()}  # the modes some block may run (by_block's keys: the plan's to judge)
     issues = []
     if comp.enabled and comp.recompile_limit < 1:
         issues.append(ConfigIssue("compile.recompile_limit", f"must be >= 1, got {comp.recompile_limit}"))
-    if ac.mode == "none" and ac.placement == "outside":
+    if modes == {"none"} and ac.placement == "outside":
         issues.append(
             ConfigIssue("activation_checkpointing.placement", "'outside' needs mode full or selective, mode is none")
         )
-    if ac.offload and ac.mode == "selective":
+    if ac.offload and "selective" in modes:
         issues.append(
             ConfigIssue(
                 "activation_checkpointing.offload",
-                "true with mode: selective would offload only the block inputs: selective AC keeps the op outputs "
+                "true with selective AC (mode or by_block) would offload only the block inputs: selective AC keeps the op outputs "
                 "its policy saves in torch's SAC cache, which saved-tensor hooks never see, so they would stay on "
                 "the device. Use activation_checkpointing.mode: full (offload moves the one activation per block "
                 "full AC keeps) or mode: none (offload moves everything a block saves), or offload: false",

@@ -47,7 +47,7 @@ def _with(recipe: RecipeConfig, **changes: object) -> RecipeConfig:
         fsdp = dataclasses.replace(out.parallel.fsdp, reshard_after_forward=changes["reshard"])
         out = dataclasses.replace(out, parallel=dataclasses.replace(out.parallel, fsdp=fsdp))
     if "ac" in changes:
-        ac = dataclasses.replace(out.activation_checkpointing, mode=changes["ac"])
+        ac = dataclasses.replace(out.activation_checkpointing, mode=changes["ac"], by_block={})  # every block
         if changes["ac"] == "selective":
             ac = dataclasses.replace(ac, offload=False)
         out = dataclasses.replace(out, activation_checkpointing=ac)

@@ -8,6 +8,7 @@ cannot work with a ``ConfigError`` naming the key and the fix, every rule report
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -82,6 +83,13 @@ class RunChoices:
     cp: int
     cp_type: str
     ep: int
+    # activation_checkpointing.by_block: (block kind, mode) pairs overriding ac_mode for blocks of that kind
+    by_block: tuple[tuple[str, ACMode], ...] = ()
+
+    def for_block(self, kind: str) -> RunChoices:
+        """The choices for a block of ``kind`` (``block_kind``): its AC mode from ``by_block`` where named."""
+        mode = dict(self.by_block).get(kind, self.ac_mode)
+        return self if mode is self.ac_mode else dataclasses.replace(self, ac_mode=mode)
 
     @property
     def fsdp_unit(self) -> FSDPUnit:
@@ -98,6 +106,30 @@ _CP_MIXERS = {
     "ulysses": ("softmax_attention", "linear_attention", "ssm"),
     "ring": ("softmax_attention", "linear_attention", "ssm"),
 }
+
+
+VISION_KIND = "vision"
+
+
+def block_kind(facts: BlockFacts) -> str:
+    """The key ``activation_checkpointing.by_block`` names a decoder block by: its mixer kinds and ``moe`` where it
+    routes experts, joined by ``+`` (``ssm``, ``moe``, ``softmax_attention+moe``), ``mlp`` for neither; the plan's
+    block lines print the same words."""
+    return "+".join((*facts.mixers, *(("moe",) if facts.moe else ()))) or "mlp"
+
+
+def by_block_issues(run: RunChoices, kinds: set[str]) -> dict[str, ConfigIssue]:
+    """A ``by_block`` key that names no block of this model (a typo would otherwise silently change nothing)."""
+    unknown = sorted({kind for kind, _ in run.by_block} - kinds)
+    if not unknown:
+        return {}
+    return {
+        "ac_by_block": ConfigIssue(
+            "activation_checkpointing.by_block",
+            f"{', '.join(map(repr, unknown))} names no block of this model; its blocks are "
+            f"{', '.join(sorted(kinds))} (mixer kinds and moe, joined by +)",
+        )
+    }
 
 
 def block_facts(block: nn.Module, *, path: str, moe_config: ModelConfig, kernels: KernelPlan) -> BlockFacts:
@@ -220,6 +252,7 @@ def decide_decoder_block(
 def decide_vision_block(index: int, *, run: RunChoices) -> BlockPlan:
     """A vision block: an FSDP unit, checkpointed with the mode's own context only; never compiled, never
     CP-sharded (``blocks.vision_blocks`` says why)."""
+    run = run.for_block(VISION_KIND)
     return BlockPlan(
         path=f"model.visual.blocks.{index}",
         kind=BlockKind.VISION,
@@ -278,8 +311,15 @@ def decide_plan(
     if without_ep is not None:
         raise ConfigError([without_ep])
     run = run_choices(ac=ac, compile=compile, cp_type=parallel.cp_type, cp=cp, ep=ep)
-    decoder = decide_decoder_blocks(model, model_config=model_config, run=run, kernels=kernels)
-    vision = tuple(decide_vision_block(index, run=run) for index, _ in enumerate(vision_blocks(model) or []))
+    vision_count = len(vision_blocks(model) or [])
+    decoder = decide_decoder_blocks(
+        model,
+        model_config=model_config,
+        run=run,
+        kernels=kernels,
+        other_kinds={VISION_KIND} if vision_count else set(),
+    )
+    vision = tuple(decide_vision_block(index, run=run) for index in range(vision_count))
     blocks = vision + decoder
     return ParallelPlan(
         blocks=blocks,
@@ -294,7 +334,7 @@ def decide_plan(
             blocks,
             compile_backend=compile.backend if compile.enabled else None,
             dynamic_ints=compile.enabled and compile.dynamic_ints,
-            selective_fixes=ac.mode == "selective" and ac.workarounds,
+            selective_fixes=any(block.ac is ACMode.SELECTIVE for block in blocks) and ac.workarounds,
             torch_version=torch_version,
         ),
     )
@@ -315,19 +355,29 @@ def run_choices(
         cp=cp,
         cp_type=cp_type,
         ep=ep,
+        by_block=tuple((kind, ACMode(mode)) for kind, mode in sorted(ac.by_block.items())),
     )
 
 
 def decide_decoder_blocks(
-    model: nn.Module, *, model_config: ModelConfig, run: RunChoices, kernels: KernelPlan
+    model: nn.Module,
+    *,
+    model_config: ModelConfig,
+    run: RunChoices,
+    kernels: KernelPlan,
+    other_kinds: set[str] | None = None,
 ) -> tuple[BlockPlan, ...]:
-    """Every decoder block's plan; one ``ConfigError`` listing each broken rule once (named at its first block)."""
-    issues: dict[str, ConfigIssue] = {}
-    plans: list[BlockPlan] = []
+    """Every decoder block's plan; one ``ConfigError`` listing each broken rule once (named at its first block).
+    ``other_kinds``: the kinds of the model's other blocks (``vision``) a ``by_block`` key may name."""
     prefix = decoder_layers_path(model)
-    for index, block in enumerate(decoder_layers(model)):
-        facts = block_facts(block, path=f"{prefix}.{index}", moe_config=model_config, kernels=kernels)
-        block_plan, broken = decide_decoder_block(facts, run=run, kernels=kernels)
+    all_facts = [
+        block_facts(block, path=f"{prefix}.{index}", moe_config=model_config, kernels=kernels)
+        for index, block in enumerate(decoder_layers(model))
+    ]
+    issues = by_block_issues(run, {block_kind(facts) for facts in all_facts} | (other_kinds or set()))
+    plans: list[BlockPlan] = []
+    for facts in all_facts:
+        block_plan, broken = decide_decoder_block(facts, run=run.for_block(block_kind(facts)), kernels=kernels)
         plans.append(block_plan)
         for rule, issue in broken.items():
             issues.setdefault(rule, issue)

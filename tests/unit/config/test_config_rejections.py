@@ -527,7 +527,19 @@ ROWS = [
         "check_activation_checkpointing",
         ["activation_checkpointing.offload=true"],
         "activation_checkpointing.offload",
-        r"true with mode: selective would offload only the block inputs: .* Use activation_checkpointing.mode: full",
+        r"true with selective AC \(mode or by_block\) would offload only the block inputs: .* Use "
+        r"activation_checkpointing.mode: full",
+    ),
+    row(
+        "check_activation_checkpointing",
+        [
+            "activation_checkpointing.offload=true",
+            "activation_checkpointing.mode=full",
+            "+activation_checkpointing.by_block.moe=selective",
+        ],
+        "activation_checkpointing.offload",
+        r"true with selective AC \(mode or by_block\) would offload only the block inputs",
+        id="offload_selective_by_block",
     ),
     row(
         "check_activation_checkpointing",
