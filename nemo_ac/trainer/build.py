@@ -111,6 +111,31 @@ def decide_recipe_plan(
     )
 
 
+def planned_model(
+    recipe: RecipeConfig,
+    layout: ParallelLayout,
+    *,
+    device_type: str,
+    torch_version: str | None = None,
+    kernels: KernelPlan | None = None,
+) -> tuple[nn.Module, ParallelPlan]:
+    """The model on meta, built with the plan's kernels, and the plan for it: what ``plan_recipe`` prints and
+    ``build_parallel_model`` applies, from the same code. ``kernels``: left out, ``recipe_kernels`` for
+    ``device_type`` (the one resolution of ``auto``; the recipe itself is never rewritten with the choices)."""
+    kernels = kernels if kernels is not None else recipe_kernels(recipe, device_type=device_type)
+    model = build_model(recipe.model, experts_impl=kernels.experts.value)
+    plan = decide_recipe_plan(
+        model,
+        recipe,
+        kernels=kernels,
+        ep=layout.ep,
+        cp=layout.cp,
+        device_type=device_type,
+        torch_version=torch_version,
+    )
+    return model, plan
+
+
 def plan_recipe(
     recipe: RecipeConfig,
     layout: ParallelLayout,
@@ -122,33 +147,20 @@ def plan_recipe(
     """The plan a run of ``recipe`` at ``layout`` on ``device_type`` would apply, from the model on meta (no process
     group, no weights): what ``nemo-ac validate`` checks (``preflight``) and ``--plan`` prints. ``ConfigError``
     for a layout the plan refuses. ``torch_version`` decides the workaround gates as if that torch were running.
-    ``kernels``: the ``KernelPlan`` to plan with (left out: ``recipe_kernels`` for ``device_type``, as a run on this
-    machine resolves them)."""
-    kernels = kernels if kernels is not None else recipe_kernels(recipe, device_type=device_type)
-    return decide_recipe_plan(
-        build_model(recipe.model, experts_impl=kernels.experts.value),
-        recipe,
-        kernels=kernels,
-        ep=layout.ep,
-        cp=layout.cp,
-        device_type=device_type,
-        torch_version=torch_version,
-    )
+    ``kernels``: the ``KernelPlan`` to plan with (left out: resolved for ``device_type``, as a run on this machine
+    resolves them)."""
+    _, plan = planned_model(recipe, layout, device_type=device_type, torch_version=torch_version, kernels=kernels)
+    return plan
 
 
 def build_parallel_model(
     recipe: RecipeConfig, layout: ParallelLayout, *, device: torch.device, kernels: KernelPlan | None = None
 ) -> tuple[nn.Module, ParallelMeshes, ParallelPlan]:
-    """Meshes, the model on meta built with the plan's kernels, parallelized as the recipe says (weights not yet
-    materialized), and its plan. ``kernels``: left out, ``recipe_kernels`` for ``device`` (the one resolution of
-    ``auto``; the recipe itself is never rewritten with the choices)."""
-    kernels = kernels if kernels is not None else recipe_kernels(recipe, device_type=device.type)
+    """Meshes, the model on meta and its plan (``planned_model``), parallelized as the plan says (weights not yet
+    materialized). ``kernels``: left out, resolved for ``device``."""
     meshes = build_meshes(layout, device_type=device.type)
     torch.manual_seed(recipe.train.seed)
-    model = build_model(recipe.model, experts_impl=kernels.experts.value)
-    plan = decide_recipe_plan(
-        model, recipe, kernels=kernels, ep=layout.ep, cp=layout.cp, device_type=meshes.device_type
-    )
+    model, plan = planned_model(recipe, layout, device_type=meshes.device_type, kernels=kernels)
     plan = parallelize(model, plan=plan, meshes=meshes)
     return model, meshes, plan
 
