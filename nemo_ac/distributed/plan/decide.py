@@ -374,10 +374,11 @@ def decide_decoder_blocks(
         block_facts(block, path=f"{prefix}.{index}", moe_config=model_config, kernels=kernels)
         for index, block in enumerate(decoder_layers(model))
     ]
-    issues = by_block_issues(run, {block_kind(facts) for facts in all_facts} | (other_kinds or set()))
+    kinds = [block_kind(facts) for facts in all_facts]
+    issues = by_block_issues(run, set(kinds) | (other_kinds or set()))
     plans: list[BlockPlan] = []
-    for facts in all_facts:
-        block_plan, broken = decide_decoder_block(facts, run=run.for_block(block_kind(facts)), kernels=kernels)
+    for facts, kind in zip(all_facts, kinds, strict=True):
+        block_plan, broken = decide_decoder_block(facts, run=run.for_block(kind), kernels=kernels)
         plans.append(block_plan)
         for rule, issue in broken.items():
             issues.setdefault(rule, issue)
