@@ -2,9 +2,10 @@
 
 Each rule is a small function ``rule(recipe, world_size) -> list[ConfigIssue]`` in ``RULES``; every message names
 the key, the bad value and what would work. ``validate_recipe`` runs them all and resolves the parallel layout
-(``config.layout``: the layout, its sizes, context-parallel and batching rules). The model and data rules live in ``rules_model``, the ``_target_`` allowlist and ``extensions.allow`` in
-``rules_extensions``, DeepEP's in ``deepep``, the mixer kernels' in ``mixer_kernels``; what differs by model family
-is what the family declares (``config.families.FamilyRules``, asked through ``config.hf.family_rules``);
+(``config.layout``: the layout, its sizes, context-parallel and batching rules). The model and data rules live in
+``rules_model``, the ``_target_`` allowlist and ``extensions.allow`` in ``rules_extensions``, DeepEP's in
+``deepep``, the mixer kernels' in ``mixer_kernels``; what differs by model family is what the family declares
+(``config.families.FamilyRules``, asked through ``config.hf.family_rules``);
 ``environment.check_environment`` separately verifies that the optional extras a recipe asks for are importable.
 """
 
@@ -119,9 +120,9 @@ def check_activation_checkpointing(recipe: RecipeConfig, world_size: int) -> lis
         issues.append(
             ConfigIssue(
                 "activation_checkpointing.offload",
-                "true with selective AC (mode or by_block) would offload only the block inputs: selective AC keeps the op outputs "
-                "its policy saves in torch's SAC cache, which saved-tensor hooks never see, so they would stay on "
-                "the device. Use activation_checkpointing.mode: full (offload moves the one activation per block "
+                "true with selective AC (mode or by_block) would offload only the block inputs: selective AC keeps "
+                "the op outputs its policy saves in torch's SAC cache, which saved-tensor hooks never see, so they "
+                "would stay on the device. Use activation_checkpointing.mode: full (offload moves the one activation per block "
                 "full AC keeps) or mode: none (offload moves everything a block saves), or offload: false",
             )
         )
