@@ -381,8 +381,9 @@ class StepCounter(TorchDispatchMode):
                 )
                 return
             moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs) + written
-            floating = [t for t in inputs if t.is_floating_point()]
-            bits = floating[0].element_size() * 8 if floating else 32
+            # The lowest precision among the floating inputs: a kernel handed a bf16 operand multiplies on bf16
+            # tensor cores (mamba_ssm's backward gets an fp32 gradient beside bf16 activations and casts it).
+            bits = min((t.element_size() * 8 for t in inputs if t.is_floating_point()), default=32)
             if moved or flops:
                 cost = OpCost(flops, moved, bits, phase, name=packet.__name__, seq=self.sequence)
                 if self.regions is not None:

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 @dataclass
 class OpCost:
-    """One compute op for the roofline: FLOPs, bytes touched, the bits of its first floating input; ``weight``: how
-    many times it counts (micro batches counted but not run; depth scaling, where it may be negative)."""
+    """One compute op for the roofline: FLOPs, bytes touched, the bits of its lowest-precision floating input (the
+    tensor cores its products run on); ``weight``: how many times it counts (micro batches counted but not run; depth
+    scaling, where it may be negative)."""
 
     flops: int
     bytes: int

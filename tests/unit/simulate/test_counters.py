@@ -22,3 +22,35 @@ def test_the_counter_counts_what_an_op_returning_nothing_writes() -> None:
     assert len(fused) == 1
     steps = 3 * 4  # the fp32 step counters (one scalar per parameter) are read as well
     assert fused[0].bytes == 32 * 3000 + steps
+
+
+def test_a_kernel_given_a_bf16_operand_is_priced_at_the_bf16_tensor_peak() -> None:
+    """The Mamba-2 op returns fp32, so its backward gets an fp32 gradient beside bf16 activations; mamba_ssm casts the
+    gradient and multiplies on bf16 tensor cores. Priced by its first floating input (the fp32 gradient), the
+    backward ran at the fp32 CUDA-core peak: 1.25 s of Nemotron Super's step at Automodel's benchmark shape where the
+    bf16 roofline gives 0.08 s. The fp32 router matmul (all inputs fp32) stays at the fp32 peak."""
+    import nemo_ac.models.kernels.mamba_ssm  # noqa: F401  (registers the op and its FLOP formulas)
+    from nemo_ac.simulate.gpus import GPUS
+
+    seq = 16
+    x = torch.empty(1, seq, 4, 8, device="meta", dtype=torch.bfloat16)
+    bc = torch.empty(1, seq, 2, 16, device="meta", dtype=torch.bfloat16)
+    dt = torch.empty(1, seq, 4, device="meta", dtype=torch.bfloat16)
+    conv = tuple(
+        torch.empty(shape, device="meta") for shape in ((4, 8, 4), (4, 8), (2, 16, 4), (2, 16), (2, 16, 4), (2, 16))
+    )
+    heads = torch.empty(4, device="meta")
+    doc = torch.zeros(1, seq, device="meta", dtype=torch.int64)
+    tensors = [x, bc, bc, dt, *conv, heads, heads, heads]
+    router_input, router_weight = torch.empty(seq, 32, device="meta"), torch.empty(32, 8, device="meta")
+    counter = StepCounter()
+    with counter:
+        y = torch.ops.nemo_ac.mamba_chunk_scan(*tensors, doc, 8, 0.0, float("inf"))
+        torch.ops.nemo_ac.mamba_chunk_scan_backward(y, tensors, doc, 8, 0.0, float("inf"))
+        torch.mm(router_input, router_weight)
+    bits = {cost.name: cost.bits for cost in counter.counts.costs}
+    assert y.dtype == torch.float32
+    assert bits == {"mamba_chunk_scan": 16, "mamba_chunk_scan_backward": 16, "mm": 32}
+    backward = next(cost for cost in counter.counts.costs if cost.name == "mamba_chunk_scan_backward")
+    h100 = GPUS["h100-80gb"]
+    assert backward.flops > 0 and h100.matmul_flops(backward.bits) == h100.bf16_flops
