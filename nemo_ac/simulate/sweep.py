@@ -9,8 +9,9 @@ scaled`` (one block of each kind, scaled: minutes for the whole sweep, not hours
 fits every GPU asked for; the rest are listed with the reason. The ranking key is the estimated step time on the
 first GPU (the estimate: compiled blocks fused, calibrated): an estimate, as every number of the plan.
 
-The search is a hill climb over the same moves plus FSDP's reshard after forward (kept or not) and HSDP (dp_replicate
-doubled or halved): each round dry-runs the neighbours of the best layout so far that no round has tried, and moves
+The search is a hill climb over the same moves plus FSDP's reshard after forward (kept or not), HSDP (dp_replicate
+doubled or halved) and the AC mode of one block kind (``activation_checkpointing.by_block``: toward less recompute
+while the layout fits, toward more while it does not, so each round tries half the modes): each round dry-runs the neighbours of the best layout so far that no round has tried, and moves
 to the fastest that fits; it stops when no neighbour is faster, after ``max_rounds``, and prints the override line
 that runs the layout it found. Pruning: a layout is dry-run once, and only the best layout's neighbours are expanded
 (a local search: it finds the best layout reachable by single changes that each help, not a proven optimum).
@@ -51,6 +52,11 @@ def _with(recipe: RecipeConfig, **changes: object) -> RecipeConfig:
         if changes["ac"] == "selective":
             ac = dataclasses.replace(ac, offload=False)
         out = dataclasses.replace(out, activation_checkpointing=ac)
+    if "ac_block" in changes:  # (block kind, mode): one kind's mode; a mode equal to the recipe's leaves the key out
+        kind, mode = changes["ac_block"]  # type: ignore[misc]
+        ac = out.activation_checkpointing
+        by_block = {k: v for k, v in ac.by_block.items() if k != kind} | ({} if mode == ac.mode else {kind: mode})
+        out = dataclasses.replace(out, activation_checkpointing=dataclasses.replace(ac, by_block=by_block))
     if "mb" in changes:
         out = dataclasses.replace(out, train=dataclasses.replace(out.train, micro_batch_size=changes["mb"]))
     if "offload" in changes:
@@ -79,6 +85,10 @@ SEARCHED_KEYS = (
 )
 
 
+BY_BLOCK = "activation_checkpointing.by_block"
+AC_MODES = ("full", "selective", "none")  # heaviest recompute first
+
+
 def _value(recipe: RecipeConfig, key: str) -> object:
     value: object = recipe
     for part in key.split("."):
@@ -86,17 +96,36 @@ def _value(recipe: RecipeConfig, key: str) -> object:
     return value
 
 
+def layout_key(recipe: RecipeConfig) -> tuple:
+    """What the search compares layouts by: every searched key, and each block kind whose AC mode is not ``mode``."""
+    ac = recipe.activation_checkpointing
+    by_block = tuple(sorted((kind, mode) for kind, mode in ac.by_block.items() if mode != ac.mode))
+    return (*(_value(recipe, key) for key in SEARCHED_KEYS), by_block)
+
+
+def _by_block_overrides(original: RecipeConfig, recipe: RecipeConfig) -> list[str]:
+    """``by_block.KIND=MODE`` for each kind whose mode differs once the other overrides (``mode``) are applied."""
+    mode = recipe.activation_checkpointing.mode
+    before, after = original.activation_checkpointing.by_block, recipe.activation_checkpointing.by_block
+    return [f"{BY_BLOCK}.{kind}={after.get(kind, mode)}" for kind in sorted(set(before) | set(after))
+            if after.get(kind, mode) != before.get(kind, mode)]  # fmt: skip
+
+
 def overrides(original: RecipeConfig, recipe: RecipeConfig) -> list[str]:
-    """The ``key=value`` overrides that turn ``original`` into ``recipe`` (over ``SEARCHED_KEYS``)."""
+    """The ``key=value`` overrides that turn ``original`` into ``recipe`` (over ``SEARCHED_KEYS`` and ``by_block``)."""
     out = [f"{key}={str(_value(recipe, key)).lower() if isinstance(_value(recipe, key), bool) else _value(recipe, key)}"
            for key in SEARCHED_KEYS if _value(recipe, key) != _value(original, key)]  # fmt: skip
+    out += _by_block_overrides(original, recipe)
     if out and original.parallel.dp_shard != -1:
         out.insert(0, "parallel.dp_shard=-1")
     return out
 
 
-def neighbours(recipe: RecipeConfig, *, search: bool = False) -> list[Candidate]:
-    """The recipe itself, then each one-choice change of it (``search``: also reshard and HSDP moves)."""
+def neighbours(
+    recipe: RecipeConfig, *, search: bool = False, block_kinds: tuple[str, ...] = (), lighter: bool = True
+) -> list[Candidate]:
+    """The recipe itself, then each one-choice change of it (``search``: also reshard and HSDP moves, and the AC mode
+    of each of ``block_kinds``: toward less recompute when ``lighter``, the layout fitting, else toward more)."""
     par, ac, mb = recipe.parallel, recipe.activation_checkpointing.mode, recipe.train.micro_batch_size
     out = [Candidate(f"ep {par.ep} cp {par.cp} {par.cp_type} AC {ac} mb {mb} (the recipe)", recipe, own=True)]
 
@@ -139,6 +168,10 @@ def neighbours(recipe: RecipeConfig, *, search: bool = False) -> list[Candidate]
         for replicate in (par.dp_replicate * 2, par.dp_replicate // 2):
             if replicate >= 1:
                 add(f"dp_replicate {replicate}", dp_replicate=replicate)
+        for kind in block_kinds:
+            current = AC_MODES.index(recipe.activation_checkpointing.by_block.get(kind, ac))
+            for mode in AC_MODES[current + 1 :] if lighter else AC_MODES[:current]:
+                add(f"AC {kind} {mode}", ac_block=(kind, mode))
     return out
 
 
@@ -210,13 +243,14 @@ def search_layouts(
     world = base.layout.world_size
     original = base.recipe
     best = Candidate("the recipe", original, own=True, report=PlanReport.build(base, gpus))
-    seen = {tuple(_value(original, key) for key in SEARCHED_KEYS)}
+    kinds = tuple(dict.fromkeys(block.ac_key for block in base.plan.blocks))
+    seen = {layout_key(original)}
     moves: list[Candidate] = []
     tried = 1
     for _ in range(max_rounds):
         found: Candidate | None = None
-        for candidate in neighbours(best.recipe, search=True)[1:]:
-            key = tuple(_value(candidate.recipe, k) for k in SEARCHED_KEYS)
+        for candidate in neighbours(best.recipe, search=True, block_kinds=kinds, lighter=_fits(best))[1:]:
+            key = layout_key(candidate.recipe)
             if key in seen:
                 continue
             seen.add(key)

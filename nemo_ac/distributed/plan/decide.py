@@ -39,11 +39,13 @@ from nemo_ac.distributed.plan.layout import (
     resolve_layout,
 )
 from nemo_ac.distributed.plan.records import (
+    VISION_KIND,
     BlockPlan,
     CompilePlan,
     FSDPPlan,
     ParallelPlan,
     SelectiveACPlan,
+    by_block_key,
 )
 from nemo_ac.distributed.plan.vocabulary import (
     ACMode,
@@ -108,14 +110,10 @@ _CP_MIXERS = {
 }
 
 
-VISION_KIND = "vision"
-
-
 def block_kind(facts: BlockFacts) -> str:
-    """The key ``activation_checkpointing.by_block`` names a decoder block by: its mixer kinds and ``moe`` where it
-    routes experts, joined by ``+`` (``ssm``, ``moe``, ``softmax_attention+moe``), ``mlp`` for neither; the plan's
+    """The key ``activation_checkpointing.by_block`` names a decoder block by (``records.by_block_key``); the plan's
     block lines print the same words."""
-    return "+".join((*facts.mixers, *(("moe",) if facts.moe else ()))) or "mlp"
+    return by_block_key(facts.mixers, moe=facts.moe)
 
 
 def by_block_issues(run: RunChoices, kinds: set[str]) -> dict[str, ConfigIssue]:

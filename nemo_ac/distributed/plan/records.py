@@ -21,6 +21,14 @@ from nemo_ac.distributed.plan.vocabulary import (
 )
 from nemo_ac.distributed.untraceable import describe_untraceable
 
+VISION_KIND = "vision"  # the by_block key of every vision block
+
+
+def by_block_key(mixers: tuple[str, ...], *, moe: bool) -> str:
+    """A decoder block's ``activation_checkpointing.by_block`` key: its mixer kinds and ``moe`` where it routes
+    experts, joined by ``+`` (``ssm``, ``moe``, ``softmax_attention+moe``), ``mlp`` for neither."""
+    return "+".join((*mixers, *(("moe",) if moe else ()))) or "mlp"
+
 
 @dataclass(frozen=True)
 class BlockPlan:
@@ -62,6 +70,13 @@ class BlockPlan:
     @property
     def checkpointed(self) -> bool:
         return self.ac is not ACMode.NONE
+
+    @property
+    def ac_key(self) -> str:
+        """The key ``activation_checkpointing.by_block`` names this block by (``plan.decide.block_kind``)."""
+        if self.kind is BlockKind.VISION:
+            return VISION_KIND
+        return by_block_key(self.mixers, moe=self.moe)
 
     def describe(self) -> str:
         """Everything but the path, in one line (blocks with equal lines share one summary line)."""

@@ -75,3 +75,40 @@ def test_one_search_round_moves_to_the_fastest_neighbour_that_fits(capsys: pytes
     from nemo_ac.simulate.report import PlanReport
 
     assert best <= PlanReport.build(base, gpus).estimates[0].step_s
+
+
+def test_the_search_moves_one_block_kinds_ac_mode_and_names_it_in_the_override_line() -> None:
+    """The search's AC moves per block kind (``activation_checkpointing.by_block``): toward less recompute while the
+    layout fits, toward more while it does not; the override line it prints loads back into the same recipe."""
+    from nemo_ac.simulate.sweep import layout_key, neighbours, overrides
+
+    path, _ = FLAGSHIPS["nemotron"]
+    recipe = load_recipe(path)  # mode full
+    kinds = ("ssm", "moe", "softmax_attention")
+
+    def moves(candidates: list) -> dict[str, dict[str, str]]:
+        return {c.label: c.recipe.activation_checkpointing.by_block for c in candidates
+                if c.label.startswith("AC ") and len(c.label.split()) == 3}  # fmt: skip
+
+    lighter = moves(neighbours(recipe, search=True, block_kinds=kinds))
+    assert lighter["AC ssm selective"] == {"ssm": "selective"}
+    assert lighter["AC moe none"] == {"moe": "none"}
+    assert "AC ssm full" not in lighter
+    assert not moves(neighbours(recipe, block_kinds=kinds))  # the sweep keeps its one-key moves
+    heavier = moves(neighbours(load_recipe(path, [f"{BY_BLOCK}.ssm=selective"]), search=True, block_kinds=kinds,
+                               lighter=False))  # fmt: skip
+    assert heavier == {"AC ssm full": {}}  # back to the recipe's mode: the key leaves by_block
+
+    moved = next(c.recipe for c in neighbours(recipe, search=True, block_kinds=kinds) if c.label == "AC ssm selective")
+    line = overrides(recipe, moved)
+    assert line == [f"{BY_BLOCK}.ssm=selective"]
+    assert layout_key(load_recipe(path, line)) == layout_key(moved) != layout_key(recipe)
+    # A mode move on top of a by_block key: the kind keeps its own mode unless the line says otherwise.
+    own = load_recipe(path, [f"{BY_BLOCK}.moe=none"])
+    everywhere = next(c.recipe for c in neighbours(own) if c.label == "AC selective")  # every block selective
+    line = overrides(own, everywhere)
+    assert line == ["activation_checkpointing.mode=selective", f"{BY_BLOCK}.moe=selective"]
+    assert layout_key(load_recipe(path, [f"{BY_BLOCK}.moe=none", *line])) == layout_key(everywhere)
+
+
+BY_BLOCK = "activation_checkpointing.by_block"
