@@ -13,7 +13,8 @@ The search is a hill climb over the same moves plus FSDP's reshard after forward
 doubled or halved) and the AC mode of one block kind (``activation_checkpointing.by_block``: toward less recompute
 while the layout fits, toward more while it does not, so each round tries half the modes): each round dry-runs the neighbours of the best layout so far that no round has tried, and moves
 to the fastest that fits; it stops when no neighbour is faster, after ``max_rounds``, and prints the override line
-that runs the layout it found. Pruning: a layout is dry-run once, and only the best layout's neighbours are expanded
+that runs the layout it found, after one more dry run of that layout at full depth (exit 1 when its peak does not fit
+there: the depth-scaled peak is an extrapolation). Pruning: a layout is dry-run once, and only the best layout's neighbours are expanded
 (a local search: it finds the best layout reachable by single changes that each help, not a proven optimum).
 """
 
@@ -28,7 +29,7 @@ from nemo_ac.config.schema import RecipeConfig
 from nemo_ac.config.validate import validate_recipe
 from nemo_ac.simulate.gpus import GpuSpec
 from nemo_ac.simulate.report import PlanReport, seconds, size
-from nemo_ac.simulate.run import Simulation, SimulationError, SimulationOptions
+from nemo_ac.simulate.run import Simulation, SimulationError, SimulationOptions, simulate
 from nemo_ac.simulate.scaled import simulate_scaled
 
 
@@ -286,4 +287,19 @@ def run_search(base: Simulation, *, gpus: list[GpuSpec], options: SimulationOpti
         f"{size(f.peak_bytes)} ({result.tried} layouts dry-run, {result.wall_s:.0f} s)"
     )
     print(f"search | overrides: {line}")
-    return 0
+    return _check_at_full_depth(best, world=world, gpus=gpus, options=options)
+
+
+def _check_at_full_depth(best: Candidate, *, world: int, gpus: list[GpuSpec], options: SimulationOptions) -> int:
+    """The search ranks depth-scaled dry runs, whose peak extrapolates activations per block: its answer is dry-run
+    once more at full depth before it is offered, and refused (exit 1) when that peak does not fit."""
+    started = time.perf_counter()
+    layout = validate_recipe(best.recipe, world_size=world)
+    report = PlanReport.build(simulate(best.recipe, layout, options), gpus)
+    e, f = report.estimates[0], report.fits[0]
+    fits = all(fit.fits for fit in report.fits)
+    print(
+        f"search | checked at full depth: step {seconds(e.step_s)}, peak {size(f.peak_bytes)}, "
+        f"{'fits' if fits else 'DOES NOT FIT'} {gpus[0].name} ({time.perf_counter() - started:.0f} s)"
+    )
+    return 0 if fits else 1

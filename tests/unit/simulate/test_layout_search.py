@@ -112,3 +112,20 @@ def test_the_search_moves_one_block_kinds_ac_mode_and_names_it_in_the_override_l
 
 
 BY_BLOCK = "activation_checkpointing.by_block"
+
+
+def test_the_searchs_answer_is_dry_run_at_full_depth_before_it_is_offered(capsys: pytest.CaptureFixture) -> None:
+    """The search ranks depth-scaled peaks, an extrapolation; its answer is dry-run again at full depth and refused
+    (exit 1) when that peak does not fit the GPU."""
+    import dataclasses
+
+    from nemo_ac.simulate.gpus import GPUS
+    from nemo_ac.simulate.sweep import Candidate, _check_at_full_depth
+
+    best = Candidate("the recipe", load_recipe(TINY), own=True)
+    options = SimulationOptions(world_size=2)
+    assert _check_at_full_depth(best, world=2, gpus=[GPUS["h100-80gb"]], options=options) == 0
+    assert "checked at full depth:" in capsys.readouterr().out
+    small = dataclasses.replace(GPUS["h100-80gb"], name="h100-1mb", memory_bytes=2**20)
+    assert _check_at_full_depth(best, world=2, gpus=[small], options=options) == 1
+    assert "DOES NOT FIT h100-1mb" in capsys.readouterr().out
