@@ -15,8 +15,6 @@ aux loss by ``nemo_ac.models.expert_bias.update_expert_bias``. Layers follow ``q
 
 from __future__ import annotations
 
-import torch
-
 from nemo_ac.config.hf.glm4_moe import glm4_moe_problems
 from nemo_ac.config.schema import ModelConfig, MoEConfig
 from nemo_ac.models import qwen3_moe
@@ -33,8 +31,8 @@ class Glm4MoeMoE(MoE):
             MLP(hidden_size, moe.shared_expert_intermediate_size) if moe.shared_expert_intermediate_size > 0 else None
         )
 
-    def shared_output(self, flat: torch.Tensor) -> torch.Tensor | None:
-        return self.shared_experts(flat) if self.shared_experts is not None else None
+    def shared_mlp(self) -> MLP | None:
+        return self.shared_experts
 
 
 class DecoderLayer(qwen3_moe.DecoderLayer):

@@ -75,8 +75,8 @@ class NemotronHMoE(MoE):
     def project_out(self, routed: torch.Tensor) -> torch.Tensor:
         return self.fc2_latent_proj(routed) if self.fc2_latent_proj is not None else routed
 
-    def shared_output(self, flat: torch.Tensor) -> torch.Tensor:
-        return self.shared_experts(flat)
+    def shared_mlp(self) -> NonGatedMLP:
+        return self.shared_experts
 
 
 class NemotronHBlock(nn.Module):

@@ -26,7 +26,7 @@ from torch import nn
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.distributed.blocks import decoder_layers, routed_moe
-from nemo_ac.distributed.expert_parallel import AllToAllDispatcher, EPDispatchContext
+from nemo_ac.distributed.expert_parallel import AllToAllDispatcher, PendingAllToAll
 
 
 @dataclass(frozen=True)
@@ -133,11 +133,11 @@ class AssumedSplitsDispatcher(AllToAllDispatcher):
         mine = sum(per_expert[self.rank * local : (self.rank + 1) * local])
         return send, [mine] * self.ep_size
 
-    def dispatch(
+    def dispatch_start(
         self, hidden: torch.Tensor, top_idx: torch.Tensor, num_experts: int, top_scores: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, EPDispatchContext]:
+    ) -> PendingAllToAll:
         self._rows = top_idx.numel()  # tokens x top_k: a shape, known under fake tensors
-        return super().dispatch(hidden, top_idx, num_experts, top_scores=top_scores)
+        return super().dispatch_start(hidden, top_idx, num_experts, top_scores=top_scores)
 
 
 def install_assumed_routing(model: nn.Module, *, assumption: RoutingAssumption, ep_rank: int) -> int:

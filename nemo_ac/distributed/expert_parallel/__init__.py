@@ -33,7 +33,13 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nemo_ac.distributed.blocks import decoder_layers, routed_moe
 from nemo_ac.distributed.plan import ParallelPlan
-from nemo_ac.models.kernels.dispatch import permute_tokens, sort_by_expert, unpermute_tokens, weighted_combine
+from nemo_ac.models.kernels.dispatch import (
+    TwoPhaseDispatch,
+    permute_tokens,
+    sort_by_expert,
+    unpermute_tokens,
+    weighted_combine,
+)
 from nemo_ac.workarounds.shared_group_names import shared_group_name
 
 
@@ -72,7 +78,17 @@ class EPDispatchContext:
     recv_splits: list[int]
 
 
-class AllToAllDispatcher:
+@dataclass
+class PendingAllToAll:
+    """A dispatch whose rows are on their way: the all-to-all's output (an ``AsyncCollectiveTensor`` in eager, which
+    waits when first read) and what the finish needs."""
+
+    received: torch.Tensor
+    tokens_per_local_expert: torch.Tensor
+    ctx: EPDispatchContext
+
+
+class AllToAllDispatcher(TwoPhaseDispatch):
     """Expert-parallel dispatcher over a process group of ``ep`` ranks (rank r owns experts r*E_l ... r*E_l+E_l-1).
 
     ``collective_group``: what the functional collectives are given for ``group`` (default ``group`` itself); a
@@ -103,13 +119,13 @@ class AllToAllDispatcher:
         splits = torch.stack((counts.view(self.ep_size, -1).sum(1), recv_counts.sum(1))).tolist()
         return splits[0], splits[1]
 
-    def dispatch(
+    def dispatch_start(
         self,
         hidden: torch.Tensor,
         top_idx: torch.Tensor,
         num_experts: int,
         top_scores: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, EPDispatchContext]:
+    ) -> PendingAllToAll:
         if num_experts != self.num_experts:
             raise ValueError(f"dispatcher built for {self.num_experts} experts, called with {num_experts}")
         order, counts = sort_by_expert(top_idx, num_experts)
@@ -121,7 +137,11 @@ class AllToAllDispatcher:
         )
         local_order, tokens_per_local_expert = source_major_to_expert_major(recv_counts, total_rows=sum(recv_splits))
         ctx = EPDispatchContext(order=order, local_order=local_order, send_splits=send_splits, recv_splits=recv_splits)
-        return received.index_select(0, local_order), tokens_per_local_expert, ctx
+        return PendingAllToAll(received=received, tokens_per_local_expert=tokens_per_local_expert, ctx=ctx)
+
+    def dispatch_finish(self, pending: PendingAllToAll) -> tuple[torch.Tensor, torch.Tensor, EPDispatchContext]:
+        rows = pending.received.index_select(0, pending.ctx.local_order)
+        return rows, pending.tokens_per_local_expert, pending.ctx
 
     def combine(self, expert_out: torch.Tensor, top_scores: torch.Tensor, ctx: EPDispatchContext) -> torch.Tensor:
         source_major = unpermute_tokens(expert_out, ctx.local_order)

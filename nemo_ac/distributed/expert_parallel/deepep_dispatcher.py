@@ -25,7 +25,7 @@ import torch.distributed as dist
 from nemo_ac.config.deepep import DEEPEP_INSTALL
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.distributed.expert_parallel import deepep_ops
-from nemo_ac.models.kernels.dispatch import permute_tokens, sort_by_expert
+from nemo_ac.models.kernels.dispatch import TwoPhaseDispatch, permute_tokens, sort_by_expert
 
 
 def import_deep_ep() -> Any:
@@ -89,6 +89,17 @@ _combine_between_graphs = torch.compiler.disable(_combine)
 
 
 @dataclass
+class PendingDeepEP:
+    """DeepEP's dispatch outputs, read by ``dispatch_finish``."""
+
+    recv_x: torch.Tensor
+    recv_idx: torch.Tensor
+    recv_weights: torch.Tensor
+    handle: torch.Tensor
+    num_tokens: int
+
+
+@dataclass
 class DeepEPContext:
     handle: torch.Tensor  # the handle token (deepep_ops)
     order: torch.Tensor  # expert-contiguous rows -> (received token, slot) pairs that live on this rank
@@ -97,7 +108,7 @@ class DeepEPContext:
     num_tokens: int
 
 
-class DeepEPDispatcher:
+class DeepEPDispatcher(TwoPhaseDispatch):
     """Same ``dispatch`` / ``combine`` contract as the torch dispatcher; the all-to-alls are DeepEP's kernels.
 
     between_compiled_graphs: call the ops outside compiled code (a graph break each), for blocks compiled inside
@@ -130,20 +141,28 @@ class DeepEPDispatcher:
         self._dispatch_op = _dispatch_between_graphs if between_compiled_graphs else _dispatch
         self._combine_op = _combine_between_graphs if between_compiled_graphs else _combine
 
-    def dispatch(
+    def dispatch_start(
         self,
         hidden: torch.Tensor,
         top_idx: torch.Tensor,
         num_experts: int,
         top_scores: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, DeepEPContext]:
+    ) -> PendingDeepEP:
         if top_scores is None:
             raise ValueError("the deepep dispatcher applies router weights on the expert side: pass top_scores")
         if num_experts != self.num_experts:
             raise ValueError(f"dispatcher built for {self.num_experts} experts, called with {num_experts}")
         recv_x, recv_idx, recv_weights, handle = self._dispatch_op(
-            hidden.contiguous(), top_idx, top_scores.float().contiguous(), self.buffers_key, num_experts
+            hidden.contiguous(),
+            top_idx,
+            top_scores.float().contiguous(),
+            self.buffers_key,
+            num_experts,
         )
+        return PendingDeepEP(recv_x, recv_idx, recv_weights, handle, num_tokens=hidden.shape[0])
+
+    def dispatch_finish(self, pending: PendingDeepEP) -> tuple[torch.Tensor, torch.Tensor, DeepEPContext]:
+        recv_x, recv_idx, recv_weights, handle = pending.recv_x, pending.recv_idx, pending.recv_weights, pending.handle
         k = recv_idx.shape[-1]
         # Slots whose expert lives on another rank (-1) go to a parking bucket past the last local expert.
         parked = torch.where(recv_idx >= 0, recv_idx, torch.full_like(recv_idx, self.num_local_experts))
@@ -155,7 +174,7 @@ class DeepEPDispatcher:
             order=order,
             recv_weights=recv_weights,
             num_received=recv_x.shape[0],
-            num_tokens=hidden.shape[0],
+            num_tokens=pending.num_tokens,
         )
         return permute_tokens(recv_x, order, k), tokens_per_expert, ctx
 

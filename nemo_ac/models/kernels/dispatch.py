@@ -13,6 +13,7 @@ the tokens keep their original order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -131,15 +132,42 @@ class LocalDispatchContext:
     order: torch.Tensor
 
 
-class LocalDispatcher:
-    """Single-process dispatcher: a sort by expert id and its inverse, no communication."""
+class TwoPhaseDispatch:
+    """``dispatch`` as two calls, so that work which needs no routed rows runs while they travel: ``dispatch_start``
+    sends them (an expert-parallel dispatcher's communication is issued here) and returns what is pending;
+    ``dispatch_finish`` is the first code that reads what arrived (an asynchronous transfer is waited for here) and
+    returns ``(rows, tokens_per_expert, ctx)``. ``MoE.forward`` runs the shared expert between the two."""
+
+    def dispatch_start(
+        self, hidden: torch.Tensor, top_idx: torch.Tensor, num_experts: int, top_scores: torch.Tensor | None = None
+    ) -> Any:
+        raise NotImplementedError
+
+    def dispatch_finish(self, pending: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        raise NotImplementedError
 
     def dispatch(
+        self, hidden: torch.Tensor, top_idx: torch.Tensor, num_experts: int, top_scores: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Both phases at once."""
+        return self.dispatch_finish(self.dispatch_start(hidden, top_idx, num_experts, top_scores=top_scores))
+
+
+class LocalDispatcher(TwoPhaseDispatch):
+    """Single-process dispatcher: a sort by expert id and its inverse, no communication (nothing in flight: the
+    start does the whole dispatch)."""
+
+    def dispatch_start(
         self, hidden: torch.Tensor, top_idx: torch.Tensor, num_experts: int, top_scores: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchContext]:
         """``top_scores`` is unused here (``combine`` weights); dispatchers that weight on the expert side need it."""
         order, tokens_per_expert = sort_by_expert(top_idx, num_experts)
         return permute_tokens(hidden, order, top_idx.shape[-1]), tokens_per_expert, LocalDispatchContext(order)
+
+    def dispatch_finish(
+        self, pending: tuple[torch.Tensor, torch.Tensor, LocalDispatchContext]
+    ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchContext]:
+        return pending
 
     def combine(self, expert_out: torch.Tensor, top_scores: torch.Tensor, ctx: LocalDispatchContext) -> torch.Tensor:
         return weighted_combine(unpermute_tokens(expert_out, ctx.order), top_scores)

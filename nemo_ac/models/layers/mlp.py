@@ -20,8 +20,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything before ``down_proj`` (``MoE`` runs the two apart: ``MoE.shared_start``)."""
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.hidden(x))
 
 
 class NonGatedMLP(nn.Module):
@@ -32,5 +36,9 @@ class NonGatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything before ``down_proj`` (``MoE`` runs the two apart: ``MoE.shared_start``)."""
+        return F.relu(self.up_proj(x)).square()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
+        return self.down_proj(self.hidden(x))

@@ -6,8 +6,15 @@ expert-parallel dispatcher in ``nemo_ac.distributed``; both implement ``dispatch
 
 Families whose shared expert or latent projection differ (GLM-4.5's ``shared_experts``, Nemotron-H's squared-ReLU
 shared experts and ``fc1/fc2_latent_proj``) subclass ``MoE`` and override the three hooks ``project_in``,
-``project_out`` and ``shared_output``; ``gate`` / ``experts`` / ``dispatcher`` and ``forward`` stay common, so the
+``project_out`` and ``shared_mlp``; ``gate`` / ``experts`` / ``dispatcher`` and ``forward`` stay common, so the
 parallelizer treats every family alike.
+
+The shared expert runs in two parts (``shared_start`` / ``shared_finish``): everything before its ``down_proj``
+between the dispatch's start and finish, where it reads no routed row and so runs while the tokens travel (DeepEP's
+asynchronous dispatch, ``TwoPhaseDispatch``), and its ``down_proj`` last. Last, because a full-AC recompute stops
+once every tensor the backward needs is back (``torch.utils.checkpoint``'s early stop): the block's last GEMM is
+never run again. Run whole before the finish, the shared expert's ``down_proj`` was recomputed in its place: Nemotron
+Super's step at Automodel's benchmark shape recomputed 0.06 s more GEMMs than the dispatch it hid.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from nemo_ac.models.kernels.dispatch import (
     weighted_combine,
 )
 from nemo_ac.models.layers.experts import GroupedExperts
-from nemo_ac.models.layers.mlp import MLP
+from nemo_ac.models.layers.mlp import MLP, NonGatedMLP
 from nemo_ac.models.layers.router import TopKRouter
 
 __all__ = [
@@ -51,11 +58,13 @@ __all__ = [
 
 
 class Dispatcher(Protocol):
-    """What ``MoE`` needs from a dispatcher (local or expert-parallel)."""
+    """What ``MoE`` needs from a dispatcher (local or expert-parallel): ``kernels.dispatch.TwoPhaseDispatch``."""
 
-    def dispatch(
+    def dispatch_start(
         self, hidden: torch.Tensor, top_idx: torch.Tensor, num_experts: int, top_scores: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+    ) -> Any: ...
+
+    def dispatch_finish(self, pending: Any) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
 
     def combine(self, expert_out: torch.Tensor, top_scores: torch.Tensor, ctx: Any) -> torch.Tensor: ...
 
@@ -119,11 +128,18 @@ class MoE(nn.Module):
         """Combined expert output -> [T, H] (identity; the latent up-projection in Nemotron-H)."""
         return routed
 
-    def shared_output(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """Shared-expert output [T, H] added to the routed output, or None (Qwen: optionally sigmoid-gated)."""
-        if self.shared_expert is None:
-            return None
-        shared = self.shared_expert(flat)
+    def shared_mlp(self) -> MLP | NonGatedMLP | None:
+        """The shared expert (an MLP with ``hidden`` and ``down_proj``), or None."""
+        return self.shared_expert
+
+    def shared_start(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert up to its ``down_proj`` (module docstring), or None without one."""
+        mlp = self.shared_mlp()
+        return None if mlp is None else mlp.hidden(flat)
+
+    def shared_finish(self, flat: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Shared-expert output [T, H] added to the routed output (Qwen: optionally sigmoid-gated)."""
+        shared = self.shared_mlp().down_proj(hidden)  # type: ignore[union-attr]
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
         return shared
@@ -132,14 +148,16 @@ class MoE(nn.Module):
         token_shape = x.shape  # a per-batch size under compile: workarounds.dynamic_per_batch_ints names it
         flat = x.reshape(-1, self.hidden_size)
         top_scores, top_idx, probs = self.gate(flat)
-        rows, tokens_per_expert, ctx = self.dispatcher.dispatch(
+        pending = self.dispatcher.dispatch_start(
             self.project_in(flat), top_idx, self.num_experts, top_scores=top_scores
         )
+        # While the dispatch is in flight: the shared expert up to its last projection (module docstring).
+        shared_hidden = self.shared_start(flat)
+        rows, tokens_per_expert, ctx = self.dispatcher.dispatch_finish(pending)
         expert_out = self.experts(rows, tokens_per_expert)
         out = self.project_out(self.dispatcher.combine(expert_out, top_scores, ctx))
-        shared = self.shared_output(flat)
-        if shared is not None:
-            out = out + shared
+        if shared_hidden is not None:
+            out = out + self.shared_finish(flat, shared_hidden)
         stats = RouterStats(
             tokens_per_expert=count_per_expert(top_idx.detach(), self.num_experts).float(),
             prob_sum=probs.sum(dim=0),
