@@ -30,7 +30,7 @@ intranode kernels in ``csrc/kernels/intranode.cu``, ``csrc/kernels/legacy/`` in 
 
 Deliberate differences: any floating dtype (DeepEP: bf16 tokens, fp8 optional for dispatch), so tests can compare in
 fp32 exactly; one rank is accepted too (DeepEP has no 1-rank config), so single-process tests can trace the ops;
-synchronous (the returned event's ``current_stream_wait`` does nothing); size hints are 0 (gloo needs no buffer); no
+synchronous (the returned event's ``current_stream_wait`` only logs where the compute stream would wait); size hints are 0 (gloo needs no buffer); no
 fp8, bias, low-latency mode, ``num_worst_tokens`` or SM/config tuning (they raise).
 
 It counts its calls in ``calls``, by kind: ``dispatch`` (a new layout from ``topk_idx``) and ``combine`` (no
@@ -53,10 +53,15 @@ _NVL_PEERS = 8  # DeepEP's internode split: 8 NVLink peers per node
 
 
 class StandInEvent:
-    """DeepEP's ``EventOverlap`` for a synchronous stand-in."""
+    """DeepEP's ``EventOverlap`` for a synchronous stand-in: waiting does nothing, but an ``async_finish``
+    dispatch's event writes ``"wait"`` into the buffer's ``log`` (where the compute stream would wait)."""
+
+    def __init__(self, log: list[str] | None = None) -> None:
+        self.log = log
 
     def current_stream_wait(self) -> None:
-        return None
+        if self.log is not None:
+            self.log.append("wait")
 
 
 class StandInConfig:
@@ -93,6 +98,7 @@ class GlooDeepEPBufferStandIn:
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.calls: collections.Counter[str] = collections.Counter()
+        self.log: list[str] = []  # forward dispatches and combines, and the waits of async ones, in order
 
     get_dispatch_config = staticmethod(_config)
     get_combine_config = staticmethod(_config)
@@ -154,6 +160,7 @@ class GlooDeepEPBufferStandIn:
             recv_x = self._exchange(rows, send_counts=send_counts.tolist(), recv_counts=recv_counts.tolist())
             return recv_x, None, None, None, None, StandInEvent()
         assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
+        self.log.append("dispatch(async_finish)" if async_finish else "dispatch")
         ranks = self.group_size
         # Send order: destination rank, then token (each token once per destination rank).
         send_index = torch.cat([is_token_in_rank[:, r].nonzero().flatten() for r in range(ranks)])
@@ -177,7 +184,7 @@ class GlooDeepEPBufferStandIn:
             recv_weights = self._exchange(torch.where(here, sent_weights, 0.0), **splits)
         counts = torch.bincount(recv_idx[recv_idx >= 0], minlength=local).tolist()
         per_expert = [-(-count // expert_alignment) * expert_alignment for count in counts]
-        return recv_x, recv_idx, recv_weights, per_expert, handle, StandInEvent()
+        return recv_x, recv_idx, recv_weights, per_expert, handle, StandInEvent(self.log if async_finish else None)
 
     def combine(
         self,
@@ -193,6 +200,8 @@ class GlooDeepEPBufferStandIn:
         if bias is not None:
             raise NotImplementedError("the stand-in has no combine bias")
         self.calls["combine" if topk_weights is None else "combine(topk_weights)"] += 1
+        if topk_weights is None:
+            self.log.append("combine")
         in_rank, send_index, send_counts, recv_counts = handle
         splits = {"send_counts": recv_counts.tolist(), "recv_counts": send_counts.tolist()}  # the way back
         back = self._exchange(x, **splits)

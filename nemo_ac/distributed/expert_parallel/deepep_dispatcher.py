@@ -73,8 +73,12 @@ class DeepEPBuffers:
         return self.buffer
 
 
-def _dispatch(x, topk_idx, topk_weights, buffers_key: int, num_experts: int):
-    return torch.ops.nemo_ac.deepep_dispatch(x, topk_idx, topk_weights, buffers_key, num_experts)
+def _dispatch(x, topk_idx, topk_weights, buffers_key: int, num_experts: int, async_finish: bool):
+    return torch.ops.nemo_ac.deepep_dispatch(x, topk_idx, topk_weights, buffers_key, num_experts, async_finish)
+
+
+def _wait(handle):
+    torch.ops.nemo_ac.deepep_dispatch_wait(handle)
 
 
 def _combine(x, handle, buffers_key: int, num_tokens: int):
@@ -85,12 +89,14 @@ def _combine(x, handle, buffers_key: int, num_tokens: int):
 # through and always recompute (workarounds.compiled_regions_under_sac): an op traced into it would communicate
 # again in every recompute. Called through these, the ops run between compiled graphs, where the SAC modes save them.
 _dispatch_between_graphs = torch.compiler.disable(_dispatch)
+_wait_between_graphs = torch.compiler.disable(_wait)
 _combine_between_graphs = torch.compiler.disable(_combine)
 
 
 @dataclass
 class PendingDeepEP:
-    """DeepEP's dispatch outputs, read by ``dispatch_finish``."""
+    """A dispatch in flight (``async_finish`` between compiled graphs): DeepEP's outputs, not to be read before
+    ``dispatch_finish`` has waited for the handle's event."""
 
     recv_x: torch.Tensor
     recv_idx: torch.Tensor
@@ -115,6 +121,11 @@ class DeepEPDispatcher(TwoPhaseDispatch):
         their checkpoint (ac_outer); False traces them into the graph as single nodes (compile_outer: the policy
         is applied when the checkpoint is traced, so they are saved there too).
     buffer_cls: the ``Buffer`` implementation; None imports ``deep_ep.Buffer`` (CUDA only).
+
+    Between compiled graphs the forward's dispatch is asynchronous (DeepEP's ``async_finish``): ``dispatch_start``
+    returns while the tokens travel on DeepEP's stream, the shared expert runs on the compute stream, and
+    ``dispatch_finish`` waits (``deepep_dispatch_wait``) before the first read of the received rows. Traced into a
+    graph the dispatch stays synchronous: nothing orders a wait op there against the graph's other nodes.
     """
 
     def __init__(
@@ -139,7 +150,9 @@ class DeepEPDispatcher(TwoPhaseDispatch):
         self.buffers = DeepEPBuffers(buffer_cls, group, topk_idx_dtype=topk_idx_dtype)
         self.buffers_key = deepep_ops.register_buffers(self.buffers)
         self._dispatch_op = _dispatch_between_graphs if between_compiled_graphs else _dispatch
+        self._wait_op = _wait_between_graphs if between_compiled_graphs else _wait
         self._combine_op = _combine_between_graphs if between_compiled_graphs else _combine
+        self.async_dispatch = between_compiled_graphs
 
     def dispatch_start(
         self,
@@ -158,10 +171,12 @@ class DeepEPDispatcher(TwoPhaseDispatch):
             top_scores.float().contiguous(),
             self.buffers_key,
             num_experts,
+            self.async_dispatch,
         )
         return PendingDeepEP(recv_x, recv_idx, recv_weights, handle, num_tokens=hidden.shape[0])
 
     def dispatch_finish(self, pending: PendingDeepEP) -> tuple[torch.Tensor, torch.Tensor, DeepEPContext]:
+        self._wait_op(pending.handle)
         recv_x, recv_idx, recv_weights, handle = pending.recv_x, pending.recv_idx, pending.recv_weights, pending.handle
         k = recv_idx.shape[-1]
         # Slots whose expert lives on another rank (-1) go to a parking bucket past the last local expert.

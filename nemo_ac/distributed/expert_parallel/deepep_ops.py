@@ -17,6 +17,9 @@ combine", and the reverse):
   ``combine(grad_recv_x, handle, topk_weights=grad_recv_weights)``.
 - ``deepep_combine(x, handle)`` -> ``combined``: ``combine(x, handle)``. Backward: ``deepep_combine_backward``.
 - ``deepep_combine_backward(grad, handle)`` -> ``grad_x``: ``dispatch(grad, handle=handle)`` (the cached layout).
+- ``deepep_dispatch_wait(handle)``: after ``deepep_dispatch(..., async_finish=True)``, the compute stream waits for
+  the transfer (DeepEP's ``EventOverlap.current_stream_wait``). Between the two, the compute stream runs what does
+  not need the received rows (the shared expert: ``MoE.forward``), as DeepEP's README overlaps communication.
 
 The received token count is data-dependent: the fake impl of ``deepep_dispatch`` gives ``recv_x`` an unbacked size
 (``torch.library.get_ctx().new_dynamic_size()``); every later op takes its sizes from tensors or int arguments.
@@ -64,6 +67,7 @@ class BufferSource(Protocol):
 
 _SOURCES: weakref.WeakValueDictionary[int, BufferSource] = weakref.WeakValueDictionary()
 _HANDLES: dict[int, Any] = {}
+_PENDING: dict[int, Any] = {}  # handle key -> the DeepEP event of a dispatch still in flight (async_finish)
 _KEYS = itertools.count(1)
 
 
@@ -81,12 +85,20 @@ def _source(key: int) -> BufferSource:
     return source
 
 
-def _hold_handle(handle: Any) -> torch.Tensor:
-    """A token for ``handle``: the registry keeps it while the token's storage lives."""
+def _release(key: int) -> None:
+    _HANDLES.pop(key, None)
+    _PENDING.pop(key, None)
+
+
+def _hold_handle(handle: Any, *, event: Any = None) -> torch.Tensor:
+    """A token for ``handle`` (and the event of its dispatch, while in flight): the registry keeps them while the
+    token's storage lives."""
     key = next(_KEYS)
     _HANDLES[key] = handle
+    if event is not None:
+        _PENDING[key] = event
     token = torch.tensor(key, dtype=torch.int64)
-    weakref.finalize(token.untyped_storage(), _HANDLES.pop, key, None)
+    weakref.finalize(token.untyped_storage(), _release, key)
     return token
 
 
@@ -111,16 +123,25 @@ def live_handles() -> int:
 
 @torch.library.custom_op("nemo_ac::deepep_dispatch", mutates_args=())
 def deepep_dispatch(
-    x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, buffers_key: int, num_experts: int
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    buffers_key: int,
+    num_experts: int,
+    async_finish: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H]; topk_idx [T, k] global expert ids; topk_weights [T, k] fp32. Returns the rows this rank receives
     (each token once per destination rank, source-rank major): recv_x [R, H], recv_topk_idx [R, k] (local expert ids,
-    -1: the slot's expert lives elsewhere), recv_topk_weights [R, k] fp32 (0 where -1), and the handle token."""
+    -1: the slot's expert lives elsewhere), recv_topk_weights [R, k] fp32 (0 where -1), and the handle token.
+
+    ``async_finish``: DeepEP's own flag. The transfer runs on DeepEP's communication stream and the compute stream
+    does not wait for it here: ``deepep_dispatch_wait(handle)`` makes it wait, and nothing may read the received rows
+    before that call (``DeepEPDispatcher.dispatch_finish`` makes it first)."""
     source = _source(buffers_key)
     buffer = source.get(x)
     idx = topk_idx.to(source.topk_idx_dtype)
     per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)
-    recv_x, recv_idx, recv_weights, _, handle, _ = buffer.dispatch(
+    recv_x, recv_idx, recv_weights, _, handle, event = buffer.dispatch(
         x,
         topk_idx=idx,
         topk_weights=topk_weights,
@@ -128,12 +149,14 @@ def deepep_dispatch(
         num_tokens_per_rdma_rank=per_rdma_rank,
         is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert,
+        async_finish=async_finish,
     )
-    return recv_x, recv_idx.to(topk_idx.dtype), recv_weights, _hold_handle(handle)
+    token = _hold_handle(handle, event=event if async_finish else None)
+    return recv_x, recv_idx.to(topk_idx.dtype), recv_weights, token
 
 
 @deepep_dispatch.register_fake
-def _(x, topk_idx, topk_weights, buffers_key, num_experts):
+def _(x, topk_idx, topk_weights, buffers_key, num_experts, async_finish=False):
     received = torch.library.get_ctx().new_dynamic_size()
     return (
         x.new_empty(received, x.shape[1]),
@@ -165,7 +188,7 @@ def _(grad_recv_x, grad_recv_weights, handle, buffers_key, num_tokens):
 
 
 def _dispatch_setup_context(ctx, inputs, output) -> None:
-    x, _topk_idx, _topk_weights, buffers_key, _ = inputs
+    x, _topk_idx, _topk_weights, buffers_key, *_ = inputs
     ctx.save_for_backward(output[3])
     ctx.buffers_key = buffers_key
     ctx.num_tokens = x.shape[0]
@@ -176,10 +199,24 @@ def _dispatch_backward(ctx, grad_recv_x, _grad_idx, grad_recv_weights, _grad_han
     grad_x, grad_weights = torch.ops.nemo_ac.deepep_dispatch_backward(
         grad_recv_x, grad_recv_weights, handle, ctx.buffers_key, ctx.num_tokens
     )
-    return grad_x, None, grad_weights, None, None
+    return grad_x, None, grad_weights, None, None, None
 
 
 deepep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
+
+
+@torch.library.custom_op("nemo_ac::deepep_dispatch_wait", mutates_args=())
+def deepep_dispatch_wait(handle: torch.Tensor) -> None:
+    """The compute stream waits for the dispatch of ``handle`` (``async_finish``); nothing when it was synchronous
+    or has been waited for (a selective-AC recompute that replays the dispatch's saved outputs waits for nothing)."""
+    event = _PENDING.pop(int(handle), None)
+    if event is not None:
+        event.current_stream_wait()
+
+
+@deepep_dispatch_wait.register_fake
+def _(handle):
+    return None
 
 
 # --- combine --------------------------------------------------------------------------------------------------
@@ -230,5 +267,5 @@ deepep_combine.register_autograd(_combine_backward, setup_context=_combine_setup
 
 
 # Data movement only: FlopCounterMode and nemo-ac plan count DeepEP's dispatch / combine as 0 FLOPs, by formula.
-for _op in (deepep_dispatch, deepep_dispatch_backward, deepep_combine, deepep_combine_backward):
+for _op in (deepep_dispatch, deepep_dispatch_backward, deepep_combine, deepep_combine_backward, deepep_dispatch_wait):
     register_op_flops(getattr(torch.ops.nemo_ac, _op._name.split("::")[-1]), zero_flops)

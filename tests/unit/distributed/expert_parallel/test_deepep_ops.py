@@ -220,3 +220,55 @@ def test_the_ops_reject_a_released_buffer_source(world) -> None:
 def test_the_stand_in_refuses_rank_counts_deepep_has_no_config_for(world) -> None:
     with pytest.raises(AssertionError, match="Unsupported number of EP ranks: 6"):
         GlooDeepEPBufferStandIn.get_dispatch_config(6)
+
+
+def test_between_compiled_graphs_the_shared_expert_runs_while_the_dispatch_is_in_flight(world) -> None:
+    """Between compiled graphs the forward's dispatch is DeepEP's ``async_finish``: ``MoE.forward`` runs the shared
+    expert's first projection before ``dispatch_finish`` waits for the transfer (the received rows are first read
+    after the wait) and its ``down_proj`` last. The stand-in logs the forward's calls in order (its event logs the
+    wait). A full-AC recompute dispatches and waits again and stops before the last GEMM; a selective one replays the
+    saved dispatch and has nothing to wait for. Gradients equal the local dispatcher's bitwise."""
+    from nemo_ac.config.schema import MoEConfig
+    from nemo_ac.models.layers.moe import MoE
+
+    def moe_with(dispatcher) -> MoE:
+        moe = MoE(H, MoEConfig(num_experts=E, moe_intermediate_size=12, shared_expert_intermediate_size=6))
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        moe.set_dispatcher(dispatcher)
+        return moe
+
+    def train(moe: MoE, *, context_fn=None, full_ac: bool = False) -> tuple[list[str], list[str], list]:
+        log: list[str] = []
+        if isinstance(moe.dispatcher, DeepEPDispatcher):
+            moe.dispatcher.buffers.get(torch.empty(1, H))  # the buffer exists: its log is the one to read
+            log = moe.dispatcher.buffers.buffer.log
+        # Forward hooks: they run once the module has computed (a recompute stopped inside one never gets there).
+        moe.shared_expert.up_proj.register_forward_hook(lambda *_: log.append("shared up"))
+        moe.shared_expert.down_proj.register_forward_hook(lambda *_: log.append("shared down"))
+        x = torch.randn(TOKENS, H, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        call = (lambda t: moe(t)[0]) if not (context_fn or full_ac) else checkpointed(lambda t: moe(t)[0], context_fn)
+        out = call(x)
+        forward = list(log)
+        out.pow(2).sum().backward()
+        return forward, log[len(forward) :], [x.grad, *(p.grad for p in moe.parameters())]
+
+    _, _, want = train(moe_with(LocalDispatcher()))
+    forward, backward, got = train(moe_with(deepep(world, between_compiled_graphs=True)))
+    assert forward == ["dispatch(async_finish)", "shared up", "wait", "combine", "shared down"]
+    assert backward == []
+    assert_exact(got, want)
+    forward, _, _ = train(moe_with(deepep(world, between_compiled_graphs=False)))
+    assert forward == ["dispatch", "shared up", "combine", "shared down"]  # traced into a graph: synchronous
+    _, backward, got = train(moe_with(deepep(world, between_compiled_graphs=True)), full_ac=True)
+    # The recompute stops once the backward has what it needs (checkpoint's early stop: the last GEMM's inputs are
+    # saved before its kernel would run, and that save ends the recompute).
+    assert backward == ["dispatch(async_finish)", "shared up", "wait", "combine"]
+    assert_exact(got, want)
+    _, backward, got = train(moe_with(deepep(world, between_compiled_graphs=True)), context_fn=selective())
+    assert backward == ["shared up"]  # the saved dispatch and combine are replayed: nothing in flight to wait for
+    assert_exact(got, want)
+    gc.collect()
+    assert deepep_ops.live_handles() == 0
