@@ -18,6 +18,7 @@ op rather than through two counting methods.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections import defaultdict
 from collections.abc import Iterator
@@ -171,6 +172,9 @@ class CollectiveCall:
     network_bytes: int
     ranks: tuple[int, ...]
     weight: int = 1
+    # An asynchronous call (DeepEP's forward dispatch with ``async_finish``): the cost index of the first op that
+    # reads what it received. The costs in between run while it is in flight; None: it blocks where it is issued.
+    read_at: int | None = None
 
 
 @dataclass
@@ -221,6 +225,7 @@ class StepCounter(TorchDispatchMode):
         self.failed_op = ""  # the first op that raised: named by a failure report
         self.sequence = 0  # ops seen since the counter was made (never reset: orders costs and memory samples)
         self._buffers: dict[int, Any] = {}
+        self._in_flight: dict[int, int] = {}  # storage id of an async call's output -> its index in counts.calls
         self._forced_phase: str | None = None
 
     @contextlib.contextmanager
@@ -235,6 +240,7 @@ class StepCounter(TorchDispatchMode):
         if self.regions is not None:
             self.regions.finish()  # pending writes land on this segment's costs before it is handed on
         self.counts = StepCounts()
+        self._in_flight.clear()
 
     def _phase(self) -> str:
         if self._forced_phase is not None:
@@ -284,6 +290,8 @@ class StepCounter(TorchDispatchMode):
                              network=round(wire * copies.per_node))  # fmt: skip
                 for tensor in _tensors(out):
                     self._keep_buffer(tensor)
+                    if self.deepep.async_dispatch and self._phase() in ("forward", "recompute"):
+                        self._in_flight[id(tensor.untyped_storage())] = len(self.counts.calls) - 1
                 return
         else:  # broadcast, send, recv: the buffer once
             payload = sum(_nbytes(t) for t in _tensors(first))
@@ -315,6 +323,16 @@ class StepCounter(TorchDispatchMode):
         self.counts.calls.append(
             CollectiveCall(len(self.counts.costs), label, kind, overlapped, self._phase(), wire, network, ranks)
         )
+
+    def _mark_first_read(self, inputs: list[torch.Tensor]) -> None:
+        """An op reading an async call's output: the call's transfer ends before it (``CollectiveCall.read_at``)."""
+        for tensor in inputs:
+            index = self._in_flight.get(id(tensor.untyped_storage()))
+            if index is None:
+                continue
+            call = self.counts.calls[index]
+            self.counts.calls[index] = dataclasses.replace(call, read_at=len(self.counts.costs))
+            self._in_flight = {key: i for key, i in self._in_flight.items() if i != index}
 
     def _keep_buffer(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage as a live communication buffer until it is freed."""
@@ -372,6 +390,8 @@ class StepCounter(TorchDispatchMode):
         written = 0 if outputs else _written_bytes(func, args, kwargs)
         if (outputs or written) and packet.__name__ not in _FREE_PACKETS:  # no tensor out or written: metadata only
             inputs = _tensors((args, kwargs))
+            if self._in_flight:  # views and metadata ops read nothing: they are not the first read
+                self._mark_first_read(inputs)
             host_payload = _host_link_payload(packet.__name__, inputs, outputs)
             if host_payload:
                 if self.regions is not None:

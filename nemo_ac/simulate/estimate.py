@@ -20,7 +20,9 @@ in memory), every other op its eager bytes. Two bounds are printed beside it, fo
 
 Overlap: FSDP2's all-gathers and reduce-scatters (and HSDP's all-reduce) run on their own streams and are hidden
 behind compute (step = max(compute, FSDP) + the rest); EP all-to-alls, CP exchanges and the loop's all-reduces are
-on the critical path.
+on the critical path, except where the code issues one asynchronously and reads its output later: DeepEP's forward
+dispatch between compiled graphs (``async_finish``) runs behind the shared expert, which ``MoE.forward`` computes
+before the received rows are first read (``comm_overlap``).
 
 Host link: copies between the device and host memory (``OpCost.link == "host"``) cross the GPU's PCIe link at
 ``LINK_EFFICIENCY``. Activation offload's copies run on a side stream (hidden behind compute like FSDP's
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 from nemo_ac.simulate.counters import CollectiveRecord, StepCounts
 from nemo_ac.simulate.gpus import (
     COLLECTIVE_LATENCY_S,
+    DEEPEP_SMS,
     HBM_EFFICIENCY,
     HOST_MEMORY_EFFICIENCY,
     KERNEL_EFFICIENCY,
@@ -69,6 +72,8 @@ class StepEstimate:
     host_overlapped_s: float = 0.0  # host-link copies on a side stream (activation offload)
     host_exposed_s: float = 0.0  # host-link copies on the compute stream (offloaded optimizer states)
     host_step_s: float = 0.0  # ops on host memory (the optimizer step over host shards), on the critical path
+    # Of exposed_s: what asynchronous calls (DeepEP's forward dispatch) spend behind compute (``comm_overlap``).
+    comm_overlap_s: float = 0.0
 
     @property
     def mfu(self) -> float:
@@ -78,6 +83,7 @@ class StepEstimate:
         return (
             max(compute, self.overlapped_s, self.host_overlapped_s)
             + self.exposed_s
+            - self.comm_overlap_s
             + self.host_exposed_s
             + self.host_step_s
         )
@@ -148,6 +154,29 @@ def cost_seconds(
     return cost.weight * max(flop_s, moved / (gpu.hbm_bytes_per_s * HBM_EFFICIENCY))
 
 
+def comm_overlap(counts: StepCounts, *, gpu: GpuSpec, kernel_efficiency: float = KERNEL_EFFICIENCY) -> float:
+    """Seconds of the blocking collectives that asynchronous calls spend behind compute: a call issued at cost ``at``
+    and first read at ``read_at`` (``CollectiveCall.read_at``: DeepEP's forward dispatch with ``async_finish``) runs
+    beside the compute in between, W seconds on its own. DeepEP's kernels hold ``DEEPEP_SMS`` of the GPU's SMs (a
+    fraction f), so that compute runs on the rest: of a transfer of C seconds, min(W, (1 - f) C) leaves the critical
+    path (all of W when it is the shorter; else the transfer's time less what it slowed the compute)."""
+    busy = DEEPEP_SMS / gpu.sms
+    hidden = 0.0
+    for call in counts.calls:
+        if call.read_at is None or call.overlapped or call.read_at <= call.at:
+            continue
+        window = sum(
+            cost_seconds(cost, gpu=gpu, kernel_efficiency=kernel_efficiency) / cost.weight
+            for cost in counts.costs[call.at : call.read_at]
+            if cost.weight and not cost.link
+        )
+        record = CollectiveRecord(calls=1, wire_bytes=call.wire_bytes, network_bytes=call.network_bytes,
+                                  ranks=call.ranks)  # fmt: skip
+        transfer = collective_seconds(record, call.kind, gpu=gpu)
+        hidden += call.weight * min(window, (1 - busy) * transfer)
+    return hidden
+
+
 def estimate_step(counts: StepCounts, *, gpu: GpuSpec, kernel_efficiency: float = KERNEL_EFFICIENCY) -> StepEstimate:
     """The estimate for one rank's counted step (module docstring); ``kernel_efficiency`` is the one calibrated
     constant (``gpus.KERNEL_EFFICIENCY``), a parameter so that the calibration can solve for it."""
@@ -194,6 +223,7 @@ def estimate_step(counts: StepCounts, *, gpu: GpuSpec, kernel_efficiency: float 
         host_overlapped_s=host_overlapped,
         host_exposed_s=host_exposed,
         host_step_s=host_step,
+        comm_overlap_s=comm_overlap(counts, gpu=gpu, kernel_efficiency=kernel_efficiency),
     )
     estimate.step_s = estimate._step_with(compute)
     return estimate

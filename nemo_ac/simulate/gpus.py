@@ -40,6 +40,9 @@ COLLECTIVE_LATENCY_S = 20e-6  # per collective call: launch + synchronization, N
 GPUS_PER_NODE = 8  # every node in GPUS (DGX / HGX): what the dry run groups ranks into nodes by
 # The CUDA context, cuBLAS / NCCL workspaces and the caching allocator's fragmentation: memory a step cannot use.
 RESERVED_BYTES = 3 * GiB
+# SMs DeepEP's normal (high-throughput) kernels occupy while they run: deep_ep.Buffer.num_sms, 20 by default. Compute
+# overlapped with an asynchronous dispatch runs on the GPU's other SMs.
+DEEPEP_SMS = 20
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class GpuSpec:
     host_memory_bytes: int  # the node's system memory (``nemo-ac plan --host-memory`` replaces it)
     host_memory_bytes_per_s: float  # the node's DRAM bandwidth (every channel of every CPU socket), all ranks share it
     gpus_per_node: int = GPUS_PER_NODE
+    sms: int = 132  # streaming multiprocessors (H100 / H200 SXM: 132; B200: 148; A100: 108)
     source: str = ""
 
     def matmul_flops(self, dtype_bits: int, *, tf32: bool = False) -> float:
@@ -112,6 +116,7 @@ GPUS: dict[str, GpuSpec] = {
         host_link_bytes_per_s=64 * GIGA,  # PCIe Gen5 x16
         host_memory_bytes=4 * 1024 * GiB,  # DGX B200: 4 TB
         host_memory_bytes_per_s=2 * 8 * 44.8 * GIGA,  # 2x Xeon 8570, 8 channels DDR5-5600 each
+        sms=148,
         source="NVIDIA HGX B200 datasheet (per GPU, sparsity halved); DGX B200 user guide",
     ),
     "a100-80gb": GpuSpec(
@@ -127,6 +132,7 @@ GPUS: dict[str, GpuSpec] = {
         host_link_bytes_per_s=32 * GIGA,  # PCIe Gen4 x16
         host_memory_bytes=2 * 1024 * GiB,  # DGX A100 640GB: 2 TB
         host_memory_bytes_per_s=2 * 8 * 25.6 * GIGA,  # 2x EPYC 7742, 8 channels DDR4-3200 each
+        sms=108,
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); DGX A100 user guide",
     ),
 }

@@ -206,6 +206,11 @@ class PlanReport:
                 f"estimate | {estimate.gpu}:   compute {seconds(estimate.compute_s)} (most: {dominant}); FSDP comm {seconds(estimate.overlapped_s)} "
                 f"overlapped; blocking comm {seconds(estimate.exposed_s)}"
                 + (
+                    f" ({seconds(estimate.comm_overlap_s)} of it behind compute: async DeepEP dispatch)"
+                    if estimate.comm_overlap_s
+                    else ""
+                )
+                + (
                     f"; host link {seconds(estimate.host_exposed_s)} blocking, "
                     f"{seconds(estimate.host_overlapped_s)} overlapped"
                     if estimate.host_exposed_s or estimate.host_overlapped_s
@@ -224,7 +229,7 @@ class PlanReport:
             out.append(f"assumes | {assumptions_line(gpu)}")
         out.append(
             "assumes | FSDP all-gather / reduce-scatter hidden behind compute; EP all-to-all, CP exchanges and the "
-            "loop's all-reduces blocking; the op stream on the roofline, compiled blocks at the bytes fusion leaves (an "
+            "loop's all-reduces blocking (but an asynchronous DeepEP dispatch); the op stream on the roofline, compiled blocks at the bytes fusion leaves (an "
             "estimate, not a measurement)"
         )
         out += [f"assumes | {line}" for line in sim.assumptions]
@@ -288,6 +293,7 @@ class PlanReport:
                     "dominant_ops_s": dict(e.dominant(5)),
                     "overlapped_comm_s": e.overlapped_s,
                     "blocking_comm_s": e.exposed_s,
+                    "comm_behind_compute_s": e.comm_overlap_s,
                     "host_link_blocking_s": e.host_exposed_s,
                     "host_link_overlapped_s": e.host_overlapped_s,
                     "host_step_s": e.host_step_s,

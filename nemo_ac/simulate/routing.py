@@ -77,11 +77,14 @@ class DeepEPCopies:
 
 @dataclass(frozen=True)
 class DeepEPRouting:
-    """The dispatch DeepEP stands in for: tokens per micro batch on this rank, top-k, experts."""
+    """The dispatch DeepEP stands in for: tokens per micro batch on this rank, top-k, experts. ``async_dispatch``:
+    the forward's dispatch is DeepEP's ``async_finish`` (the plan calls the ops between compiled graphs:
+    ``DeepEPDispatcher``), so the transfer runs behind the compute issued before its rows are first read."""
 
     tokens: int
     top_k: int
     num_experts: int
+    async_dispatch: bool = False
 
     def copies(self, *, group_ranks: tuple[int, ...], rank_in_group: int, gpus_per_node: int) -> DeepEPCopies:
         return deepep_copies(

@@ -33,6 +33,7 @@ from nemo_ac.distributed.plan import ParallelPlan
 from nemo_ac.distributed.plan.kernels import recipe_kernels
 from nemo_ac.simulate.counters import WORLD, StepCounter
 from nemo_ac.simulate.fusion import CompiledRegions
+from nemo_ac.simulate.gpus import DEEPEP_SMS
 from nemo_ac.simulate.host_shards import add_host_shard_costs, fsdp_unit_shards, staging_bytes
 from nemo_ac.simulate.host_shards import describe as describe_host_shards
 from nemo_ac.simulate.inputs import DataAssumption, reads_offline, standin_micro_batches
@@ -223,6 +224,7 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
                 tokens=prepared[0].labels.numel(),  # this rank's tokens of a micro batch (after the CP split)
                 top_k=recipe.model.moe.num_experts_per_tok,
                 num_experts=recipe.model.moe.num_experts,
+                async_dispatch=plan.dispatcher_between_graphs(),
             )
         counter = StepCounter(group_labels=mesh_group_labels(meshes), regions=regions, deepep=deepep)
         # optimizer_offload full on a GPU plan: FSDP's shards, gradients and the states are in host memory.
@@ -282,6 +284,12 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         measurement.peak.hand_added.append(
             HandAdded("DeepEP buffers", DEEPEP_BUFFER_BYTES, "deep_ep.Buffer NVLink + RDMA buffers (assumed size)")
         )
+        if plan.dispatcher_between_graphs():
+            assumptions.append(
+                f"DeepEP's forward dispatch asynchronous (async_finish, between compiled graphs): it runs behind the "
+                f"shared expert, computed before the received rows are first read, on {DEEPEP_SMS} of the GPU's SMs "
+                "(deep_ep.Buffer.num_sms), the compute on the rest; its backward and the combines block"
+            )
     tokens = recipe.train.global_batch_size * (
         recipe.data.max_length if recipe.data.kind == "medpix" else recipe.data.seq_len
     )

@@ -54,7 +54,11 @@ def combine(parts: Sequence[tuple[StepCounts, int]]) -> StepCounts:
             mine.wire_bytes += record.wire_bytes * times
             mine.network_bytes += record.network_bytes * times
         offset = len(out.costs)
-        out.calls.extend(dataclasses.replace(c, at=c.at + offset, weight=c.weight * times) for c in part.calls)
+        out.calls.extend(
+            dataclasses.replace(c, at=c.at + offset, read_at=c.read_at + offset if c.read_at is not None else None,
+                                weight=c.weight * times)
+            for c in part.calls
+        )  # fmt: skip
         out.costs.extend(
             part.costs if times == 1 else [dataclasses.replace(c, weight=c.weight * times) for c in part.costs]
         )

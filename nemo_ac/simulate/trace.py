@@ -4,7 +4,9 @@ term (``--memory-plot``, a PNG).
 The trace lays the counted step out on streams, each op and collective at its estimated duration (the estimate's
 roofline, ``simulate.estimate``): the compute stream runs the ops in order; FSDP's all-gathers and reduce-scatters
 run on their own stream from the moment they are issued, one after another; EP / CP collectives and the loop's
-all-reduces run on the communication stream while compute waits for them (they block); host-link copies run on the
+all-reduces run on the communication stream while compute waits for them (they block; DeepEP's asynchronous forward dispatch
+does not: the op that first reads its rows waits for it, and the compute between is not drawn slowed by the SMs
+DeepEP holds); host-link copies run on the
 host stream (activation offload's and FSDP's shard copies overlapped, the optimizer-phase ones and the update on
 host memory blocking). Micro batches the dry run counted without running (they repeat the last one run) appear as one
 slice per stream. Each stream's slices add up to the estimate's term for it (compute, FSDP, blocking collectives,
@@ -60,7 +62,9 @@ def _call_seconds(call: CollectiveCall, gpu: GpuSpec) -> float:
     return collective_seconds(record, call.kind, gpu=gpu)
 
 
-def _place_call(timeline: _Timeline, call: CollectiveCall, gpu: GpuSpec) -> None:
+def _place_call(timeline: _Timeline, call: CollectiveCall, gpu: GpuSpec, reads: dict[int, float]) -> None:
+    """Place ``call``; an asynchronous one (``read_at``) leaves the compute stream running and ``reads`` holds when
+    the op that first reads its output may start."""
     seconds = _call_seconds(call, gpu)
     args = {"group": call.label, "bytes sent": call.wire_bytes, "phase": call.phase}
     if call.network_bytes:
@@ -68,6 +72,9 @@ def _place_call(timeline: _Timeline, call: CollectiveCall, gpu: GpuSpec) -> None
     name = f"{call.kind} ({call.label})"
     if call.overlapped:
         timeline.side("FSDP all-gather / reduce-scatter", name, seconds, args, blocking=False)
+    elif call.read_at is not None and call.read_at > call.at:
+        timeline.side("EP / CP / loop collectives", name + " async", seconds, args, blocking=False)
+        reads[call.read_at] = max(reads.get(call.read_at, 0.0), timeline.free["EP / CP / loop collectives"])
     else:
         timeline.side("EP / CP / loop collectives", name, seconds, args, blocking=True)
 
@@ -100,10 +107,13 @@ def step_timeline(
     update = [(i, c) for i, c in ran if c.seq and c.phase == "optimizer"]
     summarized = [c for i, c in ran if not c.seq] + counts.costs[replayed:]
 
+    reads: dict[int, float] = {}  # cost index -> when the async transfer it reads first has arrived
+
     def place(items: Sequence[tuple[int, OpCost]]) -> None:
         for index, cost in items:
             for call in calls_at.pop(index, []):
-                _place_call(timeline, call, gpu)
+                _place_call(timeline, call, gpu, reads)
+            timeline.clock = max(timeline.clock, reads.pop(index, 0.0))
             starts.append((cost.seq, timeline.clock))
             _place_cost(timeline, cost, cost_seconds(cost, gpu=gpu, kernel_efficiency=kernel_efficiency))
 
@@ -123,7 +133,7 @@ def step_timeline(
     place(update)
     for leftover in calls_at.values():
         for call in leftover:
-            _place_call(timeline, call, gpu)
+            _place_call(timeline, call, gpu, reads)
     metadata = [
         {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"nemo-ac plan: estimated step on {gpu.name}"}}
     ] + [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}} for name, tid in

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 from nemo_ac.simulate.counters import StepCounter
@@ -54,3 +57,30 @@ def test_a_kernel_given_a_bf16_operand_is_priced_at_the_bf16_tensor_peak() -> No
     backward = next(cost for cost in counter.counts.costs if cost.name == "mamba_chunk_scan_backward")
     h100 = GPUS["h100-80gb"]
     assert backward.flops > 0 and h100.matmul_flops(backward.bits) == h100.bf16_flops
+
+
+def test_an_async_call_leaves_the_critical_path_for_the_compute_before_its_first_read() -> None:
+    """``comm_overlap``: a call in flight from cost ``at`` to ``read_at`` hides min(W, (1 - f) C) of its C seconds
+    behind the W seconds of compute in between, f being the SMs DeepEP's kernels hold."""
+    from nemo_ac.simulate.counters import CollectiveCall, CollectiveRecord, StepCounts
+    from nemo_ac.simulate.estimate import collective_seconds, comm_overlap, cost_seconds, estimate_step
+    from nemo_ac.simulate.gpus import DEEPEP_SMS, GPUS
+    from nemo_ac.simulate.op_cost import OpCost
+
+    h100 = GPUS["h100-80gb"]
+    gemm = OpCost(flops=2 * 4096**3, bytes=3 * 2 * 4096**2, bits=16, phase="forward", name="mm")
+    wire = 256 * 2**20
+    call = CollectiveCall(at=0, label="ep", kind="deepep", overlapped=False, phase="forward", wire_bytes=wire,
+                          network_bytes=0, ranks=tuple(range(8)))  # fmt: skip
+    transfer = collective_seconds(CollectiveRecord(calls=1, wire_bytes=wire, ranks=call.ranks), "deepep", gpu=h100)
+    window = cost_seconds(gemm, gpu=h100)
+    f = DEEPEP_SMS / h100.sms
+    for gemms, hidden in ((1, min(window, (1 - f) * transfer)), (40, (1 - f) * transfer)):
+        counts = StepCounts(costs=[gemm] * (gemms + 1), calls=[dataclasses.replace(call, read_at=gemms)])
+        assert comm_overlap(counts, gpu=h100) == pytest.approx(hidden)
+        counts.collectives[("ep", "deepep", False)] = CollectiveRecord(calls=1, wire_bytes=wire, ranks=call.ranks)
+        estimate = estimate_step(counts, gpu=h100)
+        assert estimate.step_s == pytest.approx(estimate.compute_s + transfer - hidden)
+    assert window < (1 - f) * transfer  # the first case is bound by the compute, the second by the transfer
+    blocking = StepCounts(costs=[gemm] * 2, calls=[call])  # read_at None: it blocks where it is issued
+    assert comm_overlap(blocking, gpu=h100) == 0

@@ -135,3 +135,36 @@ def test_depth_scaling_holds_each_added_blocks_activations_at_the_backward_peak(
     scaled = simulate_scaled(recipe, layout, options).measurement.peak
     assert full.terms["activations"] <= scaled.terms["activations"]
     assert full.peak_bytes <= scaled.peak_bytes <= 1.15 * full.peak_bytes
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_deepeps_async_dispatch_runs_behind_the_shared_experts_first_projection(compiled: bool) -> None:
+    """Nemotron Super at real width (8 blocks, Automodel's shape): compiled inside their checkpoints, the MoE blocks
+    call DeepEP between compiled graphs, where the forward's dispatch is asynchronous. The dry run finds each forward
+    and recompute dispatch's first read after the shared expert's up-projection, and the estimate takes that compute
+    off the dispatch's blocking time. Without compile the dispatch is synchronous: nothing is hidden."""
+    from nemo_ac.simulate.estimate import estimate_step
+    from nemo_ac.simulate.gpus import GPUS
+
+    path, world = FLAGSHIPS["nemotron"]
+    shape = ["data.seq_len=4096", "train.global_batch_size=512", "train.micro_batch_size=2"]
+    blocks = ["model.num_layers=8", "model.layer_pattern=MEMEM*EM", f"compile.enabled={str(compiled).lower()}"]
+    recipe = load_recipe(path, [*shape, *blocks])
+    simulation = simulate(recipe, validate_recipe(recipe, world_size=world), SimulationOptions(world_size=world))
+    counts = simulation.measurement.counts
+    tokens = 2 * 4096
+    shared_up = 2 * tokens * recipe.model.hidden_size * recipe.model.moe.shared_expert_intermediate_size
+    moe_blocks = recipe.model.layer_pattern.count("E")
+    async_calls = [call for call in counts.calls if call.read_at is not None]
+    estimate = estimate_step(counts, gpu=GPUS["h100-80gb"])
+    if not compiled:
+        assert not async_calls and estimate.comm_overlap_s == 0
+        return
+    assert {call.kind for call in async_calls} == {"deepep"}
+    assert {call.phase for call in async_calls} == {"forward", "recompute"}
+    with_shared_up = [
+        call for call in async_calls
+        if any(cost.name == "mm" and cost.flops == shared_up for cost in counts.costs[call.at : call.read_at])
+    ]  # fmt: skip
+    assert len(with_shared_up) == 2 * moe_blocks  # each MoE block's dispatch, in its forward and its recompute
+    assert 0 < estimate.comm_overlap_s < estimate.exposed_s
