@@ -10,8 +10,9 @@ fits every GPU asked for; the rest are listed with the reason. The ranking key i
 first GPU (the estimate: compiled blocks fused, calibrated): an estimate, as every number of the plan.
 
 The search is a hill climb over the same moves plus FSDP's reshard after forward (kept or not), HSDP (dp_replicate
-doubled or halved) and the AC mode of one block kind (``activation_checkpointing.by_block``: toward less recompute
-while the layout fits, toward more while it does not, so each round tries half the modes): each round dry-runs the neighbours of the best layout so far that no round has tried, and moves
+doubled or halved), the AC mode of one block kind (``activation_checkpointing.by_block``: toward less recompute
+while the layout fits, toward more while it does not, so each round tries half the modes) and, where a block is
+selective, saving the collectives' outputs or not (``selective.save_communication``): each round dry-runs the neighbours of the best layout so far that no round has tried, and moves
 to the fastest that fits; it stops when no neighbour is faster, after ``max_rounds``, and prints the override line
 that runs the layout it found, after one more dry run of that layout at full depth (exit 1 when its peak does not fit
 there: the depth-scaled peak is an extrapolation). Pruning: a layout is dry-run once, and only the best layout's neighbours are expanded
@@ -53,6 +54,10 @@ def _with(recipe: RecipeConfig, **changes: object) -> RecipeConfig:
         if changes["ac"] == "selective":
             ac = dataclasses.replace(ac, offload=False)
         out = dataclasses.replace(out, activation_checkpointing=ac)
+    if "save_communication" in changes:
+        ac = out.activation_checkpointing
+        selective = dataclasses.replace(ac.selective, save_communication=changes["save_communication"])
+        out = dataclasses.replace(out, activation_checkpointing=dataclasses.replace(ac, selective=selective))
     if "ac_block" in changes:  # (block kind, mode): one kind's mode; a mode equal to the recipe's leaves the key out
         kind, mode = changes["ac_block"]  # type: ignore[misc]
         ac = out.activation_checkpointing
@@ -79,6 +84,7 @@ SEARCHED_KEYS = (
     "parallel.fsdp.reshard_after_forward",
     "activation_checkpointing.mode",
     "activation_checkpointing.offload",
+    "activation_checkpointing.selective.save_communication",
     "train.micro_batch_size",
     "train.optimizer_offload",
     "train.optimizer_state_dtype",
@@ -173,6 +179,14 @@ def neighbours(
             current = AC_MODES.index(recipe.activation_checkpointing.by_block.get(kind, ac))
             for mode in AC_MODES[current + 1 :] if lighter else AC_MODES[:current]:
                 add(f"AC {kind} {mode}", ac_block=(kind, mode))
+                if mode == "selective" and recipe.activation_checkpointing.selective.save_communication:
+                    # Selective MoE blocks keep their dispatch buffers: recomputing the collectives is what lets
+                    # them fit, so the climb needs both changes in one move (neither alone helps).
+                    add(f"AC {kind} selective, collectives recomputed", ac_block=(kind, mode), save_communication=False)
+        # Selective blocks save the collectives' outputs (the EP all-to-alls) unless told not to: the other way.
+        if "selective" in {ac, *recipe.activation_checkpointing.by_block.values()}:
+            save = not recipe.activation_checkpointing.selective.save_communication
+            add(f"save_communication {str(save).lower()}", save_communication=save)
     return out
 
 

@@ -92,6 +92,14 @@ def test_the_search_moves_one_block_kinds_ac_mode_and_names_it_in_the_override_l
 
     lighter = moves(neighbours(recipe, search=True, block_kinds=kinds))
     assert lighter["AC ssm selective"] == {"ssm": "selective"}
+    # A selective block may keep its dispatch buffers or recompute the collectives: both in one move.
+    both = next(c.recipe for c in neighbours(recipe, search=True, block_kinds=kinds)
+                if c.label == "AC moe selective, collectives recomputed")  # fmt: skip
+    assert both.activation_checkpointing.by_block == {"moe": "selective"}
+    assert overrides(recipe, both) == [
+        "activation_checkpointing.selective.save_communication=false",
+        f"{BY_BLOCK}.moe=selective",
+    ]
     assert lighter["AC moe none"] == {"moe": "none"}
     assert "AC ssm full" not in lighter
     assert not moves(neighbours(recipe, block_kinds=kinds))  # the sweep keeps its one-key moves
