@@ -122,10 +122,14 @@ class AssumedSplitsDispatcher(AllToAllDispatcher):
     """``AllToAllDispatcher`` whose split sizes come from a ``RoutingAssumption`` instead of the router's counts
     (the only override: sorting, permutation, the count exchange and both all-to-alls run as in training)."""
 
-    def __init__(self, *, inner: AllToAllDispatcher, assumption: RoutingAssumption, rank: int) -> None:
+    def __init__(
+        self, *, inner: AllToAllDispatcher, assumption: RoutingAssumption, rank: int, async_dispatch: bool = False
+    ) -> None:
         super().__init__(group=inner.group, num_experts=inner.num_experts, collective_group=inner.collective_group)
         self.assumption = assumption
         self.rank = rank
+        # Standing in for DeepEP's asynchronous dispatch: MoE.forward then orders its shared expert as it would.
+        self.async_dispatch = async_dispatch
         self._rows = 0  # (token, slot) rows of the dispatch in progress
 
     def split_sizes(self, counts: torch.Tensor, recv_counts: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -143,8 +147,11 @@ class AssumedSplitsDispatcher(AllToAllDispatcher):
         return super().dispatch_start(hidden, top_idx, num_experts, top_scores=top_scores)
 
 
-def install_assumed_routing(model: nn.Module, *, assumption: RoutingAssumption, ep_rank: int) -> int:
-    """Give every expert-parallel MoE layer the assumption's split sizes; returns how many layers use it."""
+def install_assumed_routing(
+    model: nn.Module, *, assumption: RoutingAssumption, ep_rank: int, async_dispatch: bool = False
+) -> int:
+    """Give every expert-parallel MoE layer the assumption's split sizes; returns how many layers use it.
+    ``async_dispatch``: the dispatcher stands in for one whose dispatch is asynchronous (DeepEP between graphs)."""
     installed = 0
     replaced: dict[int, AssumedSplitsDispatcher] = {}
     for block in decoder_layers(model):
@@ -153,7 +160,9 @@ def install_assumed_routing(model: nn.Module, *, assumption: RoutingAssumption, 
             continue
         inner = moe.dispatcher
         if id(inner) not in replaced:
-            replaced[id(inner)] = AssumedSplitsDispatcher(inner=inner, assumption=assumption, rank=ep_rank)
+            replaced[id(inner)] = AssumedSplitsDispatcher(
+                inner=inner, assumption=assumption, rank=ep_rank, async_dispatch=async_dispatch
+            )
         moe.set_dispatcher(replaced[id(inner)])
         installed += 1
     return installed

@@ -172,7 +172,12 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
 
         def install_routing(model: nn.Module, meshes: ParallelMeshes) -> None:
             if expert_parallel:
-                install_assumed_routing(model, assumption=options.routing, ep_rank=meshes.ep_mesh.get_local_rank())
+                install_assumed_routing(
+                    model,
+                    assumption=options.routing,
+                    ep_rank=meshes.ep_mesh.get_local_rank(),
+                    async_dispatch=uses_deepep and plan.dispatcher_between_graphs(),
+                )
 
         def materialize(model: nn.Module) -> str:
             _materialize_fake(model, fake)

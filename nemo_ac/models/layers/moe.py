@@ -9,9 +9,10 @@ shared experts and ``fc1/fc2_latent_proj``) subclass ``MoE`` and override the th
 ``project_out`` and ``shared_mlp``; ``gate`` / ``experts`` / ``dispatcher`` and ``forward`` stay common, so the
 parallelizer treats every family alike.
 
-The shared expert runs in two parts (``shared_start`` / ``shared_finish``): everything before its ``down_proj``
-between the dispatch's start and finish, where it reads no routed row and so runs while the tokens travel (DeepEP's
-asynchronous dispatch, ``TwoPhaseDispatch``), and its ``down_proj`` last. Last, because a full-AC recompute stops
+The shared expert runs in two parts (``shared_start`` / ``shared_finish``). Where the dispatch is asynchronous
+(``TwoPhaseDispatch.async_dispatch``: DeepEP between compiled graphs), everything before its ``down_proj`` runs between
+the dispatch's start and finish, where it reads no routed row and so runs while the tokens travel; elsewhere after
+the combine. Its ``down_proj`` comes last either way. Last, because a full-AC recompute stops
 once every tensor the backward needs is back (``torch.utils.checkpoint``'s early stop): the block's last GEMM is
 never run again. Run whole before the finish, the shared expert's ``down_proj`` was recomputed in its place: Nemotron
 Super's step at Automodel's benchmark shape recomputed 0.06 s more GEMMs than the dispatch it hid.
@@ -59,6 +60,8 @@ __all__ = [
 
 class Dispatcher(Protocol):
     """What ``MoE`` needs from a dispatcher (local or expert-parallel): ``kernels.dispatch.TwoPhaseDispatch``."""
+
+    async_dispatch: bool
 
     def dispatch_start(
         self, hidden: torch.Tensor, top_idx: torch.Tensor, num_experts: int, top_scores: torch.Tensor | None = None
@@ -151,11 +154,14 @@ class MoE(nn.Module):
         pending = self.dispatcher.dispatch_start(
             self.project_in(flat), top_idx, self.num_experts, top_scores=top_scores
         )
-        # While the dispatch is in flight: the shared expert up to its last projection (module docstring).
-        shared_hidden = self.shared_start(flat)
+        # While an asynchronous dispatch is in flight: the shared expert up to its last projection (module docstring).
+        overlap = self.dispatcher.async_dispatch
+        shared_hidden = self.shared_start(flat) if overlap else None
         rows, tokens_per_expert, ctx = self.dispatcher.dispatch_finish(pending)
         expert_out = self.experts(rows, tokens_per_expert)
         out = self.project_out(self.dispatcher.combine(expert_out, top_scores, ctx))
+        if not overlap:
+            shared_hidden = self.shared_start(flat)
         if shared_hidden is not None:
             out = out + self.shared_finish(flat, shared_hidden)
         stats = RouterStats(

@@ -261,7 +261,7 @@ def test_between_compiled_graphs_the_shared_expert_runs_while_the_dispatch_is_in
     assert backward == []
     assert_exact(got, want)
     forward, _, _ = train(moe_with(deepep(world, between_compiled_graphs=False)))
-    assert forward == ["dispatch", "shared up", "combine", "shared down"]  # traced into a graph: synchronous
+    assert forward == ["dispatch", "combine", "shared up", "shared down"]  # synchronous: the shared expert after
     _, backward, got = train(moe_with(deepep(world, between_compiled_graphs=True)), full_ac=True)
     # The recompute stops once the backward has what it needs (checkpoint's early stop: the last GEMM's inputs are
     # saved before its kernel would run, and that save ends the recompute).
