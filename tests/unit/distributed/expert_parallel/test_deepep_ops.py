@@ -270,5 +270,10 @@ def test_between_compiled_graphs_the_shared_expert_runs_while_the_dispatch_is_in
     _, backward, got = train(moe_with(deepep(world, between_compiled_graphs=True)), context_fn=selective())
     assert backward == ["shared up"]  # the saved dispatch and combine are replayed: nothing in flight to wait for
     assert_exact(got, want)
+    # save_communication false (the Nemotron recipe's MoE blocks): the recompute dispatches, overlaps and waits again.
+    _, backward, got = train(moe_with(deepep(world, between_compiled_graphs=True)),
+                             context_fn=selective(without_deepep=True))  # fmt: skip
+    assert backward == ["dispatch(async_finish)", "shared up", "wait", "combine"]
+    assert_exact(got, want)
     gc.collect()
     assert deepep_ops.live_handles() == 0
