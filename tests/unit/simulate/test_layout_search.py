@@ -82,8 +82,8 @@ def test_the_search_moves_one_block_kinds_ac_mode_and_names_it_in_the_override_l
     layout fits, toward more while it does not; the override line it prints loads back into the same recipe."""
     from nemo_ac.simulate.sweep import layout_key, neighbours, overrides
 
-    path, _ = FLAGSHIPS["nemotron"]
-    recipe = load_recipe(path)  # mode full
+    path, full = NEMOTRON_TINY, ["activation_checkpointing.mode=full"]  # the flagship's kinds, full AC on each
+    recipe = load_recipe(path, full)
     kinds = ("ssm", "moe", "softmax_attention")
 
     def moves(candidates: list) -> dict[str, dict[str, str]]:
@@ -103,23 +103,24 @@ def test_the_search_moves_one_block_kinds_ac_mode_and_names_it_in_the_override_l
     assert lighter["AC moe none"] == {"moe": "none"}
     assert "AC ssm full" not in lighter
     assert not moves(neighbours(recipe, block_kinds=kinds))  # the sweep keeps its one-key moves
-    heavier = moves(neighbours(load_recipe(path, [f"{BY_BLOCK}.ssm=selective"]), search=True, block_kinds=kinds,
-                               lighter=False))  # fmt: skip
+    heavier = moves(neighbours(load_recipe(path, [*full, f"{BY_BLOCK}.ssm=selective"]), search=True,
+                               block_kinds=kinds, lighter=False))  # fmt: skip
     assert heavier == {"AC ssm full": {}}  # back to the recipe's mode: the key leaves by_block
 
     moved = next(c.recipe for c in neighbours(recipe, search=True, block_kinds=kinds) if c.label == "AC ssm selective")
     line = overrides(recipe, moved)
     assert line == [f"{BY_BLOCK}.ssm=selective"]
-    assert layout_key(load_recipe(path, line)) == layout_key(moved) != layout_key(recipe)
+    assert layout_key(load_recipe(path, [*full, *line])) == layout_key(moved) != layout_key(recipe)
     # A mode move on top of a by_block key: the kind keeps its own mode unless the line says otherwise.
-    own = load_recipe(path, [f"{BY_BLOCK}.moe=none"])
+    own = load_recipe(path, [*full, f"{BY_BLOCK}.moe=none"])
     everywhere = next(c.recipe for c in neighbours(own) if c.label == "AC selective")  # every block selective
     line = overrides(own, everywhere)
     assert line == ["activation_checkpointing.mode=selective", f"{BY_BLOCK}.moe=selective"]
-    assert layout_key(load_recipe(path, [f"{BY_BLOCK}.moe=none", *line])) == layout_key(everywhere)
+    assert layout_key(load_recipe(path, [*full, f"{BY_BLOCK}.moe=none", *line])) == layout_key(everywhere)
 
 
 BY_BLOCK = "activation_checkpointing.by_block"
+NEMOTRON_TINY = str(TINY).replace("qwen3_moe_tiny", "nemotron_super_v3_tiny")
 
 
 def test_the_searchs_answer_is_dry_run_at_full_depth_before_it_is_offered(capsys: pytest.CaptureFixture) -> None:
