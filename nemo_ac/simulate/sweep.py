@@ -12,11 +12,13 @@ first GPU (the estimate: compiled blocks fused, calibrated): an estimate, as eve
 The search is a hill climb over the same moves plus FSDP's reshard after forward (kept or not), HSDP (dp_replicate
 doubled or halved), the AC mode of one block kind (``activation_checkpointing.by_block``: toward less recompute
 while the layout fits, toward more while it does not, so each round tries half the modes) and, where a block is
-selective, saving the collectives' outputs or not (``selective.save_communication``): each round dry-runs the neighbours of the best layout so far that no round has tried, and moves
-to the fastest that fits; it stops when no neighbour is faster, after ``max_rounds``, and prints the override line
-that runs the layout it found, after one more dry run of that layout at full depth (exit 1 when its peak does not fit
-there: the depth-scaled peak is an extrapolation). Pruning: a layout is dry-run once, and only the best layout's neighbours are expanded
-(a local search: it finds the best layout reachable by single changes that each help, not a proven optimum).
+selective, saving the collectives' outputs or not (``selective.save_communication``): each round dry-runs the
+neighbours of the best layout so far that no round has tried, and moves to the fastest that fits; it stops when no
+neighbour is faster, after ``max_rounds``, and prints the override line that runs the layout it found, after one
+more dry run of that layout at full depth: where its peak does not fit there (the depth-scaled peak is an
+extrapolation), the layout of the round before is offered and checked instead. Pruning: a layout is dry-run once,
+and only the best layout's neighbours are expanded (a local search: it finds the best layout reachable by single
+changes that each help, not a proven optimum).
 """
 
 from __future__ import annotations
@@ -289,19 +291,31 @@ def run_search(base: Simulation, *, gpus: list[GpuSpec], options: SimulationOpti
     for number, move in enumerate(result.moves, 1):
         e, f = move.report.estimates[0], move.report.fits[0]  # type: ignore[union-attr]
         print(f"search | round {number}: {move.label:<34} step {seconds(e.step_s):>10}  peak {size(f.peak_bytes)}")
-    best = result.best
-    if not _fits(best):
+    return offer(base, result, gpus=gpus, options=options)
+
+
+def offer(base: Simulation, result: SearchResult, *, gpus: list[GpuSpec], options: SimulationOptions) -> int:
+    """Print the search's answer and its override line once a full-depth dry run says it fits; where it does not,
+    the layout of the round before it, and so on back to the recipe. Exit status 1 when none fits."""
+    world = base.layout.world_size
+    if not _fits(result.best):
         print(f"search | no layout that fits {gpus[0].name} found ({result.tried} dry-run, {result.wall_s:.0f} s)")
         return 1
-    e, f = best.report.estimates[0], best.report.fits[0]  # type: ignore[union-attr]
-    tokens = base.tokens_per_step / e.step_s / world
-    line = " ".join(overrides(base.recipe, best.recipe)) or "(the recipe as it is)"
-    print(
-        f"search | best: step {seconds(e.step_s)}, {tokens:,.0f} tokens/s per GPU, MFU {e.mfu:.1%}, peak "
-        f"{size(f.peak_bytes)} ({result.tried} layouts dry-run, {result.wall_s:.0f} s)"
-    )
-    print(f"search | overrides: {line}")
-    return _check_at_full_depth(best, world=world, gpus=gpus, options=options)
+    own = Candidate("the recipe", base.recipe, own=True, report=PlanReport.build(base, gpus))
+    for best in [*reversed(result.moves), own] if result.moves else [own]:
+        if not _fits(best):
+            continue
+        e, f = best.report.estimates[0], best.report.fits[0]  # type: ignore[union-attr]
+        tokens = base.tokens_per_step / e.step_s / world
+        line = " ".join(overrides(base.recipe, best.recipe)) or "(the recipe as it is)"
+        print(
+            f"search | best: step {seconds(e.step_s)}, {tokens:,.0f} tokens/s per GPU, MFU {e.mfu:.1%}, peak "
+            f"{size(f.peak_bytes)} ({result.tried} layouts dry-run, {result.wall_s:.0f} s)"
+        )
+        print(f"search | overrides: {line}")
+        if _check_at_full_depth(best, world=world, gpus=gpus, options=options) == 0:
+            return 0
+    return 1
 
 
 def _check_at_full_depth(best: Candidate, *, world: int, gpus: list[GpuSpec], options: SimulationOptions) -> int:

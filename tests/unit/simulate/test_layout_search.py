@@ -138,3 +138,31 @@ def test_the_searchs_answer_is_dry_run_at_full_depth_before_it_is_offered(capsys
     small = dataclasses.replace(GPUS["h100-80gb"], name="h100-1mb", memory_bytes=2**20)
     assert _check_at_full_depth(best, world=2, gpus=[small], options=options) == 1
     assert "DOES NOT FIT h100-1mb" in capsys.readouterr().out
+
+
+def test_an_answer_that_does_not_fit_at_full_depth_gives_way_to_the_round_before(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """The search's last move is offered only once a full-depth dry run fits it; a depth-scaled peak that was too low
+    (here: a move whose report is the recipe's) gives way to the layout of the round before, the recipe."""
+    import dataclasses
+
+    from nemo_ac.simulate.gpus import GPUS, RESERVED_BYTES
+    from nemo_ac.simulate.report import PlanReport
+    from nemo_ac.simulate.run import simulate
+    from nemo_ac.simulate.sweep import Candidate, SearchResult, _with, offer
+
+    recipe = load_recipe(TINY)  # micro batches of 1 row: 1.6 MB per rank; of 4 rows: 3.6 MB
+    options = SimulationOptions(world_size=2)
+    base = simulate(recipe, validate_recipe(recipe, world_size=2), options)
+    gpu = dataclasses.replace(GPUS["h100-80gb"], name="h100-2.5mb", memory_bytes=RESERVED_BYTES + 5 * 2**19)
+    report = PlanReport.build(base, [gpu])
+    assert report.fits[0].fits
+    moved = Candidate("mb 4", _with(recipe, mb=4), report=report)  # as if scaling had said it fits
+    result = SearchResult(best=moved, moves=[moved], tried=2, wall_s=0.0)
+    assert offer(base, result, gpus=[gpu], options=options) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("search | ")]
+    assert lines[1] == "search | overrides: train.micro_batch_size=4"
+    assert "DOES NOT FIT h100-2.5mb" in lines[2]
+    assert lines[4] == "search | overrides: (the recipe as it is)"
+    assert "fits h100-2.5mb" in lines[5] and "DOES NOT" not in lines[5]
