@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nemo_ac.simulate.counters import CollectiveRecord, StepCounts
+from nemo_ac.simulate.counters import CollectiveCall, CollectiveRecord, StepCounts
 from nemo_ac.simulate.gpus import (
     COLLECTIVE_LATENCY_S,
     DEEPEP_SMS,
@@ -139,6 +139,12 @@ def collective_seconds(record: CollectiveRecord, kind: str, *, gpu: GpuSpec) -> 
     return latency + max(remote / network, (record.wire_bytes - remote) / nvlink)
 
 
+def call_seconds(call: CollectiveCall, *, gpu: GpuSpec) -> float:
+    """One collective call's time on ``gpu``'s links (``collective_seconds`` of a one-call record)."""
+    record = CollectiveRecord(calls=1, wire_bytes=call.wire_bytes, network_bytes=call.network_bytes, ranks=call.ranks)
+    return collective_seconds(record, call.kind, gpu=gpu)
+
+
 def cost_seconds(
     cost: OpCost, *, gpu: GpuSpec, kernel_efficiency: float = KERNEL_EFFICIENCY, eager: bool = False
 ) -> float:
@@ -170,10 +176,7 @@ def comm_overlap(counts: StepCounts, *, gpu: GpuSpec, kernel_efficiency: float =
             for cost in counts.costs[call.at : call.read_at]
             if cost.weight and not cost.link
         )
-        record = CollectiveRecord(calls=1, wire_bytes=call.wire_bytes, network_bytes=call.network_bytes,
-                                  ranks=call.ranks)  # fmt: skip
-        transfer = collective_seconds(record, call.kind, gpu=gpu)
-        hidden += call.weight * min(window, (1 - busy) * transfer)
+        hidden += call.weight * min(window, (1 - busy) * call_seconds(call, gpu=gpu))
     return hidden
 
 

@@ -24,8 +24,8 @@ import bisect
 from collections.abc import Sequence
 from pathlib import Path
 
-from nemo_ac.simulate.counters import CollectiveCall, CollectiveRecord, StepCounts
-from nemo_ac.simulate.estimate import KERNEL_EFFICIENCY, collective_seconds, cost_seconds
+from nemo_ac.simulate.counters import CollectiveCall, StepCounts
+from nemo_ac.simulate.estimate import KERNEL_EFFICIENCY, call_seconds, cost_seconds
 from nemo_ac.simulate.gpus import GpuSpec
 from nemo_ac.simulate.op_cost import OpCost
 from nemo_ac.simulate.report import seconds, size
@@ -57,15 +57,10 @@ class _Timeline:
             self.clock = end
 
 
-def _call_seconds(call: CollectiveCall, gpu: GpuSpec) -> float:
-    record = CollectiveRecord(calls=1, wire_bytes=call.wire_bytes, network_bytes=call.network_bytes, ranks=call.ranks)
-    return collective_seconds(record, call.kind, gpu=gpu)
-
-
 def _place_call(timeline: _Timeline, call: CollectiveCall, gpu: GpuSpec, reads: dict[int, float]) -> None:
     """Place ``call``; an asynchronous one (``read_at``) leaves the compute stream running and ``reads`` holds when
     the op that first reads its output may start."""
-    seconds = _call_seconds(call, gpu)
+    seconds = call_seconds(call, gpu=gpu)
     args = {"group": call.label, "bytes sent": call.wire_bytes, "phase": call.phase}
     if call.network_bytes:
         args["bytes over RDMA"] = call.network_bytes
@@ -125,7 +120,7 @@ def step_timeline(
     if compute:
         timeline.compute(label, compute, counted)
     for overlapped, stream in ((True, "FSDP all-gather / reduce-scatter"), (False, "EP / CP / loop collectives")):
-        seconds = sum(_call_seconds(c, gpu) * c.weight for c in repeated_calls if c.overlapped is overlapped)
+        seconds = sum(call_seconds(c, gpu=gpu) * c.weight for c in repeated_calls if c.overlapped is overlapped)
         if seconds:
             timeline.side(stream, label, seconds, counted, blocking=not overlapped)
     for cost in (c for c in summarized if c.link):  # hand-added host costs (train.optimizer_offload: full)
