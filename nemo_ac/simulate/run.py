@@ -162,6 +162,8 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
     stand_ins = kernel_stand_ins + execution_notes
     # Expert parallel and DeepEP as the plan decided them (the plan refuses DeepEP without expert parallel).
     expert_parallel, uses_deepep = plan.ep > 1, plan.kernels.dispatcher.value == "deepep"
+    # DeepEP between compiled graphs dispatches asynchronously: the stand-in orders the MoE as it, the counter times it.
+    async_dispatch = uses_deepep and plan.dispatcher_between_graphs()
     if expert_parallel:
         options.routing.check(num_experts=recipe.model.moe.num_experts, top_k=recipe.model.moe.num_experts_per_tok)
     assumptions = ([options.routing.describe()] if expert_parallel else []) + kernel_notes
@@ -176,7 +178,7 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
                     model,
                     assumption=options.routing,
                     ep_rank=meshes.ep_mesh.get_local_rank(),
-                    async_dispatch=uses_deepep and plan.dispatcher_between_graphs(),
+                    async_dispatch=async_dispatch,
                 )
 
         def materialize(model: nn.Module) -> str:
@@ -229,7 +231,7 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
                 tokens=prepared[0].labels.numel(),  # this rank's tokens of a micro batch (after the CP split)
                 top_k=recipe.model.moe.num_experts_per_tok,
                 num_experts=recipe.model.moe.num_experts,
-                async_dispatch=plan.dispatcher_between_graphs(),
+                async_dispatch=async_dispatch,
             )
         counter = StepCounter(group_labels=mesh_group_labels(meshes), regions=regions, deepep=deepep)
         # optimizer_offload full on a GPU plan: FSDP's shards, gradients and the states are in host memory.
@@ -289,7 +291,7 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         measurement.peak.hand_added.append(
             HandAdded("DeepEP buffers", DEEPEP_BUFFER_BYTES, "deep_ep.Buffer NVLink + RDMA buffers (assumed size)")
         )
-        if plan.dispatcher_between_graphs():
+        if async_dispatch:
             assumptions.append(
                 f"DeepEP's forward dispatch asynchronous (async_finish, between compiled graphs): it runs behind the "
                 f"shared expert, computed before the received rows are first read, on {DEEPEP_SMS} of the GPU's SMs "
