@@ -12,7 +12,8 @@
 # 3. the CUDA-only kernels that are installed (Transformer Engine, DeepEP) are named, and absent ones said so;
 # 4. the packed-attention kernels on CUDA: FlexAttention (compiled, fwd + bwd) and the tiled op against SDPA;
 # 5. the mixer kernels (fla, mamba-ssm) against the torch ops (tests/unit/models/kernels/test_mixer_kernels_cuda.py; skips say why),
-#    and AdamW with its states in pinned host memory against fused AdamW on the device (bitwise);
+#    AdamW with its states in pinned host memory against fused AdamW on the device (bitwise), and activation offload
+#    (pinned copies, the blocks-in-flight bound, the prefetch in backward) against no offload (bitwise);
 #    and, where installed, the tiny Qwen3.6 / Nemotron recipes trained on them (steps 1 keep the torch ops);
 # 6. nemo-ac plan against a measured step on this GPU: a mid-size MoE (2.6B parameters, 4k rows, bf16) measured by
 #    nemo_ac.simulate.measure (tracked peak, torch.cuda.max_memory_allocated, 3 timed steps, one more under torch's
@@ -130,6 +131,7 @@ for row in "qwen3_moe qwen3_moe_tiny" "qwen3_6_medpix qwen3_6_medpix_tiny parall
 done
 step_bg attention_kernels_cuda 200 "$PY" benchmarks/attention_kernels_cuda.py
 step_bg mixer_kernels_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/models/kernels/test_mixer_kernels_cuda.py
+step_bg offload_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/distributed/test_offload.py -k cuda
 step_bg host_optimizer_states_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider \
   tests/unit/trainer/test_host_optimizer_states.py -k cuda
 if installed fla; then  # fla's Triton dots want head dims >= 16

@@ -272,6 +272,11 @@ class ActivationCheckpointingConfig:
     # memory + a side stream on CUDA; nemo_ac/distributed/offload.py). With mode: full that is each block's input.
     # Rejected with mode: selective and with compile.enabled (docs/offload.md).
     offload: bool = False
+    # With offload: the most decoder blocks whose offloaded tensors are on the device at once (N). Forward: block i
+    # starts once the copies of block i-N to the host are done, and their device memory is released then. Backward:
+    # the copies back of the N-1 blocks before the running one are prefetched on a side stream. 1: no overlap
+    # across blocks (each block's tensors come back on the compute stream when autograd asks). docs/offload.md.
+    offload_in_flight: int = 2
     # Where AC sits relative to a block's fully_shard: inside = fully_shard(AC(block)) (torchtitan's layout; only
     # nested expert/router units run their FSDP hooks inside the checkpoint); outside = AC(fully_shard(block))
     # (the block's own FSDP hooks run inside the checkpoint too).

@@ -126,6 +126,15 @@ def check_activation_checkpointing(recipe: RecipeConfig, world_size: int) -> lis
                 "full AC keeps) or mode: none (offload moves everything a block saves), or offload: false",
             )
         )
+    if ac.offload_in_flight < 1:
+        issues.append(
+            ConfigIssue(
+                "activation_checkpointing.offload_in_flight",
+                f"must be >= 1 (blocks whose offloaded tensors may be on the device at once, the running block "
+                f"included), got {ac.offload_in_flight}; 1 bounds the device memory most, 2 (the default) overlaps "
+                "each block's copies with the next block",
+            )
+        )
     if ac.offload and comp.enabled:
         issues.append(
             ConfigIssue(

@@ -328,6 +328,7 @@ def decide_plan(
         selective=selective_plan(ac),
         fsdp=fsdp_plan(parallel, optimizer_offload=optimizer_offload, device_type=device_type),
         compile=compile_plan(compile, data=data),
+        offload_in_flight=ac.offload_in_flight if any(block.offload for block in blocks) else 0,
         workarounds=run_workarounds(
             blocks,
             compile_backend=compile.backend if compile.enabled else None,

@@ -168,6 +168,8 @@ class ParallelPlan:
     fsdp: FSDPPlan
     compile: CompilePlan | None
     workarounds: tuple[str, ...]  # names from workarounds.registry this run switches on
+    # Activation offload: blocks whose offloaded tensors may be on the device at once (offload.py); 0: none offload.
+    offload_in_flight: int = 0
     applied: AppliedPlan = field(default_factory=AppliedPlan)
 
     def decoder_blocks(self) -> tuple[BlockPlan, ...]:
@@ -205,7 +207,8 @@ class ParallelPlan:
             f"plan | ep {self.ep} ({self.kernels.dispatcher.value}) | cp {self.cp}"
             + (f" ({self.cp_type})" if self.cp > 1 else "")
             + f" | {self.fsdp.describe()}"
-            + "".join(f" | {key} te" for key in self.kernels.te_keys()),
+            + "".join(f" | {key} te" for key in self.kernels.te_keys())
+            + (f" | offload: {self.offload_in_flight} blocks in flight" if self.offload_in_flight else ""),
         ]
         groups: dict[str, list[BlockPlan]] = {}
         for block in self.blocks:

@@ -548,6 +548,18 @@ ROWS = [
         r"true with compile.enabled: .* not verified with torch.compile in nemo_ac; set compile.enabled=false",
         id="offload_compile",
     ),
+    row(
+        "check_activation_checkpointing",
+        [
+            "activation_checkpointing.offload=true",
+            "activation_checkpointing.mode=full",
+            "activation_checkpointing.offload_in_flight=0",
+        ],
+        "activation_checkpointing.offload_in_flight",
+        r"must be >= 1 \(blocks whose offloaded tensors may be on the device at once, the running block included\), "
+        r"got 0; 1 bounds the device memory most",
+        id="offload_in_flight_zero",
+    ),
     # check_compile (the layout rules that need the model: PLAN_ROWS)
     row(
         "check_compile",

@@ -131,11 +131,69 @@ def test_spy_sees_copies_in_their_own_host_buffers(world) -> None:
 # directly, no process group
 
 
-def _glm(mode: str, offload: bool):
+def _glm(mode: str, offload: bool, in_flight: int = 2):
     cfg = glm_config()
     model = materialize_and_init(build_model(cfg), device="cpu", seed=1)
     apply_ac(model, plan=decide_plan(model, activation_checkpointing=ActivationCheckpointingConfig(mode=mode)))
-    return model, apply_offload(model, enabled=offload), cfg
+    return model, apply_offload(model, enabled=offload, in_flight=in_flight), cfg
+
+
+class OrderSpy(ActivationOffloader):
+    """Numbers each copy by pack order (full AC: block 0, 1, ...) and logs when it comes back and when it is used."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.block_of: dict[int, int] = {}
+        self.events: list[tuple[str, int]] = []
+
+    def pack(self, tensor):
+        packed = super().pack(tensor)
+        if isinstance(packed, _Packed):
+            self.block_of.setdefault(id(packed), len(self.block_of))
+        return packed
+
+    def _bring_back(self, packed, *, ahead):
+        self.events.append(("prefetch" if ahead else "on demand", self.block_of[id(packed)]))
+        return super()._bring_back(packed, ahead=ahead)
+
+    def unpack(self, packed):
+        out = super().unpack(packed)
+        if isinstance(packed, _Packed):
+            self.events.append(("use", self.block_of[id(packed)]))
+        return out
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
+def test_backward_prefetches_at_most_in_flight_blocks_ahead(in_flight: int) -> None:
+    """Full AC: a block's saved input is brought back while a later block's backward runs, never before the blocks
+    ``in_flight`` or more after it have used theirs (so at most ``in_flight`` blocks' copies are on the device), and
+    with ``in_flight`` >= 2 every block but the first in backward finds its copy already back. 1: all on demand.
+    Loss and gradients stay bitwise those of a run without offloading."""
+    plain, _, cfg = _glm("full", offload=False)
+    expected_loss, expected = _loss_and_grads(plain, cfg.vocab_size)
+    model, _, _ = _glm("full", offload=False)
+    spy = OrderSpy(in_flight=in_flight)
+    for block in decoder_layers(model):
+        spy.install(block)
+    loss, grads = _loss_and_grads(model, cfg.vocab_size)
+    layers = cfg.num_layers
+    used: set[int] = set()
+    for event, block in spy.events:
+        if event == "use":
+            used.add(block)
+            continue
+        assert set(range(block + in_flight, layers)) <= used, (event, block, spy.events)
+    brought = {block: event for event, block in spy.events if event != "use"}
+    assert len([event for event, _ in spy.events if event != "use"]) == layers  # once each: unpacks share a copy
+    if in_flight == 1:
+        assert brought == dict.fromkeys(range(layers), "on demand")
+    else:  # the block whose backward comes first has nothing before it to overlap with
+        assert brought == {**dict.fromkeys(range(layers - 1), "prefetch"), layers - 1: "on demand"}
+    assert spy.stats.prefetched + spy.stats.fetched_on_demand == layers
+    assert not spy._order  # the backward consumed the prefetch queue
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
 
 
 def test_without_ac_every_saved_activation_moves_once_and_parameters_stay() -> None:
@@ -198,15 +256,17 @@ def test_a_failing_forward_does_not_leave_the_hooks_active() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned-memory / side-stream path needs a GPU")
-def test_cuda_offload_goes_to_pinned_host_memory_and_matches() -> None:
-    """CUDA: block inputs go to pinned host memory (side stream + event) and come back for the recompute; loss and
-    gradients equal a run without offloading. Skipped on CPU-only machines (not run in this repository's CI)."""
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_cuda_offload_goes_to_pinned_host_memory_and_matches(in_flight: int) -> None:
+    """CUDA: block inputs go to pinned host memory (side stream + event), the device tensors are held for at most
+    ``in_flight`` blocks, and come back for the recompute (prefetched on the side stream where ``in_flight`` >= 2);
+    loss and gradients equal a run without offloading. Skipped on CPU-only machines (benchmarks/gpu_check.sh)."""
 
     def run(offload: bool):
         cfg = glm_config()
         model = materialize_and_init(build_model(cfg), device="cuda", seed=1)
         apply_ac(model, plan=decide_plan(model, activation_checkpointing=ActivationCheckpointingConfig(mode="full")))
-        spy = SpyOffloader() if offload else None
+        spy = SpyOffloader(in_flight=in_flight) if offload else None
         if spy is not None:
             for block in decoder_layers(model):
                 spy.install(block)
@@ -220,7 +280,11 @@ def test_cuda_offload_goes_to_pinned_host_memory_and_matches() -> None:
 
     expected_loss, expected, _ = run(offload=False)
     loss, grads, spy = run(offload=True)
-    assert spy.stats.packed == glm_config().num_layers == spy.stats.unpacked
+    layers = glm_config().num_layers
+    assert spy.stats.packed == layers == spy.stats.unpacked
+    assert spy.stats.most_blocks_held == in_flight
+    assert spy.stats.prefetched == (0 if in_flight == 1 else layers - 1)
+    assert not spy._held  # the backward waited for every copy to the host and let the device tensors go
     torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
     for name, grad in expected.items():
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
