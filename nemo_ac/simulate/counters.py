@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from nemo_ac.distributed.offload import copying_on_compute_stream
 from nemo_ac.models.kernels.op_flops import needs_formula
 from nemo_ac.simulate.fusion import CompiledRegions, is_extern
 from nemo_ac.simulate.gpus import GPUS_PER_NODE
@@ -396,8 +397,10 @@ class StepCounter(TorchDispatchMode):
             if host_payload:
                 if self.regions is not None:
                     self.regions.account(None, extern=True, inputs=inputs, outputs=[])
+                # An offloaded activation brought back when autograd asks for it is on the compute stream.
+                link = "host_blocking" if copying_on_compute_stream() else "host"
                 self.counts.costs.append(
-                    OpCost(0, host_payload, 0, phase, name="host_copy", link="host", seq=self.sequence)
+                    OpCost(0, host_payload, 0, phase, name="host_copy", link=link, seq=self.sequence)
                 )
                 return
             moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs) + written

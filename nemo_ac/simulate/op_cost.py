@@ -22,7 +22,8 @@ class OpCost:
     name: str = ""
     # "host": a copy between the device and host memory (the dry run's host stand-in, "meta"): it crosses the GPU's
     # host link, not HBM; ``bytes`` is then the payload, one direction. "host_blocking": the same, with the compute
-    # stream waiting for it. "host_memory": an op on tensors in host memory (the optimizer step over the shards
+    # stream waiting for it (FSDP2's gradient copy to host shards; an offloaded activation copied back on demand).
+    # "host_memory": an op on tensors in host memory (the optimizer step over the shards
     # ``train.optimizer_offload: full`` keeps there): the node's DRAM bandwidth, shared by its ranks.
     link: str = ""
     # The bytes left when the op runs inside a compiled block (``simulate.fusion``); None: ``bytes`` (eager).

@@ -29,6 +29,7 @@ from nemo_ac.config.schema import RecipeConfig
 from nemo_ac.data.batch import PackedBatch
 from nemo_ac.data.sources import recipe_batches
 from nemo_ac.distributed.mesh import ParallelMeshes
+from nemo_ac.distributed.offload import ActivationOffloader
 from nemo_ac.distributed.plan import ParallelPlan
 from nemo_ac.distributed.plan.kernels import recipe_kernels
 from nemo_ac.simulate.counters import WORLD, StepCounter
@@ -87,6 +88,19 @@ class Simulation:
     tokens_per_step: int = 0  # global tokens of one step
     wall_s: float = 0.0
     peak_rss_bytes: int = 0
+
+
+def describe_offload(offloader: ActivationOffloader) -> str:
+    """The activation offload's bound and what the dry run saw of it (``distributed.offload``)."""
+    stats = offloader.stats
+    brought_back = stats.prefetched + stats.fetched_on_demand
+    return (
+        f"activation offload: at most {offloader.in_flight} block{'s' if offloader.in_flight > 1 else ''} of "
+        "offloaded tensors on the device "
+        f"(activation_checkpointing.offload_in_flight; each held until its window closes, as if its copy took that "
+        f"long: held {stats.most_blocks_held} at most); {stats.prefetched} of the {brought_back} copies back the dry run "
+        "made prefetched on the side stream while a later block's backward ran, the rest on the compute stream"
+    )
 
 
 def target_device_type(recipe: RecipeConfig) -> str:
@@ -271,6 +285,8 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         model=model,
         parameters_on_host=plan.fsdp.parameters_on_host,
     )
+    if offloader is not None and offloader.stats.packed:
+        assumptions.append(describe_offload(offloader))
     if shards_on_host:
         units = fsdp_unit_shards(model)
         reductions = measurement.micro_batches_per_step if hold_gradients or len(prepared) == 1 else 1
