@@ -65,6 +65,9 @@ def _with(recipe: RecipeConfig, **changes: object) -> RecipeConfig:
         ac = out.activation_checkpointing
         by_block = {k: v for k, v in ac.by_block.items() if k != kind} | ({} if mode == ac.mode else {kind: mode})
         out = dataclasses.replace(out, activation_checkpointing=dataclasses.replace(ac, by_block=by_block))
+    if "in_flight" in changes:
+        ac = dataclasses.replace(out.activation_checkpointing, offload_in_flight=changes["in_flight"])
+        out = dataclasses.replace(out, activation_checkpointing=ac)
     if "mb" in changes:
         out = dataclasses.replace(out, train=dataclasses.replace(out.train, micro_batch_size=changes["mb"]))
     if "offload" in changes:
@@ -86,6 +89,7 @@ SEARCHED_KEYS = (
     "parallel.fsdp.reshard_after_forward",
     "activation_checkpointing.mode",
     "activation_checkpointing.offload",
+    "activation_checkpointing.offload_in_flight",
     "activation_checkpointing.selective.save_communication",
     "train.micro_batch_size",
     "train.optimizer_offload",
@@ -95,6 +99,9 @@ SEARCHED_KEYS = (
 
 
 BY_BLOCK = "activation_checkpointing.by_block"
+# The search's largest activation_checkpointing.offload_in_flight: beyond a few blocks the copies are long hidden, and
+# --depth scaled counts the bound exactly only below its runs' block count (docs/offload.md).
+MOST_OFFLOAD_IN_FLIGHT = 3
 AC_MODES = ("full", "selective", "none")  # heaviest recompute first
 
 
@@ -189,6 +196,12 @@ def neighbours(
         if "selective" in {ac, *recipe.activation_checkpointing.by_block.values()}:
             save = not recipe.activation_checkpointing.selective.save_communication
             add(f"save_communication {str(save).lower()}", save_communication=save)
+        # Offloaded activations: one block more on the device overlaps more copies, one fewer frees a block's.
+        if recipe.activation_checkpointing.offload:
+            in_flight = recipe.activation_checkpointing.offload_in_flight
+            for other in (in_flight - 1, in_flight + 1):
+                if 1 <= other <= MOST_OFFLOAD_IN_FLIGHT:
+                    add(f"offload_in_flight {other}", in_flight=other)
     return out
 
 

@@ -54,6 +54,22 @@ def test_search_overrides_name_every_key_that_changed() -> None:
     assert overrides(recipe, recipe) == []
 
 
+def test_the_search_moves_the_offload_bound_where_activations_are_offloaded() -> None:
+    """One block more or fewer in flight, within 1 .. MOST_OFFLOAD_IN_FLIGHT, and only where activations offload;
+    the override line names the key."""
+    from nemo_ac.simulate.sweep import MOST_OFFLOAD_IN_FLIGHT, neighbours, overrides
+
+    path, _ = FLAGSHIPS["glm"]
+    recipe = load_recipe(path)  # full AC + offload, the default bound (2)
+    moves = {c.label: c.recipe for c in neighbours(recipe, search=True) if c.label.startswith("offload_in_flight")}
+    assert sorted(moves) == ["offload_in_flight 1", "offload_in_flight 3"]
+    assert overrides(recipe, moves["offload_in_flight 3"]) == ["activation_checkpointing.offload_in_flight=3"]
+    top = load_recipe(path, [f"activation_checkpointing.offload_in_flight={MOST_OFFLOAD_IN_FLIGHT}"])
+    assert {c.label for c in neighbours(top, search=True)} >= {f"offload_in_flight {MOST_OFFLOAD_IN_FLIGHT - 1}"}
+    assert f"offload_in_flight {MOST_OFFLOAD_IN_FLIGHT + 1}" not in {c.label for c in neighbours(top, search=True)}
+    assert not [c for c in neighbours(load_recipe(TINY), search=True) if c.label.startswith("offload_in_flight")]
+
+
 def test_one_search_round_moves_to_the_fastest_neighbour_that_fits(capsys: pytest.CaptureFixture) -> None:
     """The search dry-runs each untried neighbour once and ends on the fastest one that fits (no slower than the
     recipe's own layout), and the CLI prints the override line of that layout."""
