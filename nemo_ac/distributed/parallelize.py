@@ -24,11 +24,14 @@ from nemo_ac.distributed.offload import apply_offload
 from nemo_ac.distributed.plan import AppliedPlan, ParallelPlan
 
 
-def parallelize(model: nn.Module, *, plan: ParallelPlan, meshes: ParallelMeshes) -> ParallelPlan:
+def parallelize(
+    model: nn.Module, *, plan: ParallelPlan, meshes: ParallelMeshes, deepep_buffer_cls: type | None = None
+) -> ParallelPlan:
     """Apply a decided plan (``distributed.plan.decide_plan``) to a meta-device model in place (weights are
-    materialized afterwards); returns the plan with ``applied`` filled in. Every step reads the plan alone."""
+    materialized afterwards); returns the plan with ``applied`` filled in. Every step reads the plan alone.
+    ``deepep_buffer_cls``: the ``deep_ep.Buffer`` the DeepEP dispatcher uses (None: DeepEP's; the dry run's has none)."""
     apply_kernels(model, plan=plan)  # first: the ops the plan chose, before EP and CP wrap them
-    apply_ep(model, plan=plan, ep_mesh=meshes.ep_mesh)
+    apply_ep(model, plan=plan, ep_mesh=meshes.ep_mesh, deepep_buffer_cls=deepep_buffer_cls)
     apply_cp(model, plan=plan, cp_mesh=meshes.cp)
     apply_ac(model, plan=plan)
     # On the AC wrapper (outside the checkpoint), so it sees the block inputs full AC saves (offload.py).

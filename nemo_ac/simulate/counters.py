@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from nemo_ac.distributed.expert_parallel import deepep_ops
 from nemo_ac.distributed.offload import copying_on_compute_stream
 from nemo_ac.models.kernels.op_flops import needs_formula
 from nemo_ac.simulate.fusion import CompiledRegions, is_extern
@@ -131,6 +132,19 @@ def _written_bytes(func: Any, args: Any, kwargs: dict) -> int:
     return total
 
 
+def _row_bytes(*tensors: torch.Tensor) -> int:
+    return sum(_nbytes(t) // max(t.shape[0], 1) for t in tensors)
+
+
+# DeepEP's ops (distributed.expert_parallel.deepep_ops) -> (this rank's tokens, bytes per token sent) from the args.
+_DEEPEP_SENDS: dict[str, Callable[[tuple], tuple[int, int]]] = {
+    "deepep_dispatch": lambda a: (a[0].shape[0], _row_bytes(a[0], a[1], a[2])),  # x, topk ids, topk weights
+    "deepep_combine_backward": lambda a: (a[0].shape[0], _row_bytes(a[0])),  # a dispatch of the gradient
+    "deepep_combine": lambda a: (a[3], _row_bytes(a[0])),  # [received, H] back to the num_tokens sources
+    "deepep_dispatch_backward": lambda a: (a[4], _row_bytes(a[0], a[1])),  # a combine: gradients and weights'
+}
+
+
 # The dry run keeps what a GPU run holds in host memory (offloaded activations, offloaded optimizer states) on the
 # "meta" device, so that it leaves the device's accounting; a copy between it and the device is host-link traffic.
 _HOST_STAND_IN = "meta"
@@ -213,9 +227,8 @@ class StepCounter(TorchDispatchMode):
         """The outputs of the model's functional collectives (EP all-to-all, CP exchanges) are kept as live
         "communication buffer" bytes (FSDP's own buffers the memory tracker names itself); ``buffer_state()``
         reports them with the phase. ``regions``: the plan's compiled blocks, whose fused traffic each op's
-        ``compiled_bytes`` records (``simulate.fusion``). ``deepep``: the expert-parallel all-to-alls stand in for
-        DeepEP's dispatch and combine, recorded as kind ``deepep`` with the copies DeepEP sends
-        (``simulate.routing.deepep_copies``)."""
+        ``compiled_bytes`` records (``simulate.fusion``). ``deepep``: how DeepEP's ops (``nemo_ac::deepep_*``) are
+        costed, recorded as kind ``deepep`` with the copies DeepEP sends (``simulate.routing.deepep_layout``)."""
         super().__init__()
         self.group_labels = dict(group_labels or {})
         self.regions = regions
@@ -284,16 +297,6 @@ class StepCounter(TorchDispatchMode):
             mine = dist.get_rank(group) if group is not None else 0
             own = (splits[mine] if splits else source.shape[0] // n) * row
             wire = payload - own
-            dims = label.split("/")
-            if self.deepep is not None and "ep" in dims and "cp" not in dims:
-                copies = self.deepep.copies(group_ranks=ranks, rank_in_group=mine, gpus_per_node=GPUS_PER_NODE)
-                self._record(label, "deepep", False, ranks, payload, round(wire * copies.per_rank),
-                             network=round(wire * copies.per_node))  # fmt: skip
-                for tensor in _tensors(out):
-                    self._keep_buffer(tensor)
-                    if self.deepep.async_dispatch and self._phase() in ("forward", "recompute"):
-                        self._in_flight[id(tensor.untyped_storage())] = len(self.counts.calls) - 1
-                return
         else:  # broadcast, send, recv: the buffer once
             payload = sum(_nbytes(t) for t in _tensors(first))
             wire = payload if kind != "recv" else 0
@@ -304,6 +307,35 @@ class StepCounter(TorchDispatchMode):
         if func.namespace != "c10d":  # the model's functional collectives (EP, CP); FSDP2's are c10d ops
             for tensor in _tensors(out):
                 self._keep_buffer(tensor)
+
+    def _count_deepep(self, name: str, args: tuple, out: Any) -> None:
+        """One of DeepEP's ops: what this rank sends is its tokens, once per other rank each goes to over NVLink and
+        once per other node over RDMA (a dispatch; a combine sends as many back, every rank routing alike), a row
+        being the op's hidden row plus, for the dispatch, the token's expert ids and weights."""
+        tokens, rows = _DEEPEP_SENDS[name](args)
+        key = args[3] if name in ("deepep_dispatch", "deepep_dispatch_backward") else args[2]
+        group = deepep_ops.buffer_source(key).group
+        label, ranks = self._label(group)
+        if self.deepep is None:
+            raise RuntimeError("a DeepEP op ran in a dry run whose plan has no DeepEP dispatcher")
+        layout = self.deepep.layout(
+            tokens=tokens, group_ranks=ranks, rank_in_group=dist.get_rank(group), gpus_per_node=GPUS_PER_NODE
+        )
+        payload = sum(_nbytes(t) for t in _tensors(out))
+        wire = round(tokens * layout.remote_ranks_per_token * rows)
+        # The forward ops run inside their autograd function, without grad mode: seen during backward they are a
+        # checkpoint's recompute, which the phase from grad mode cannot tell from the backward.
+        forward_op = name in ("deepep_dispatch", "deepep_combine")
+        phase = "recompute" if forward_op and self._phase() == "backward" else self._phase()
+        with self.phase(phase):
+            self._record(label, "deepep", False, ranks, payload, wire,
+                         network=round(tokens * layout.remote_nodes_per_token * rows))  # fmt: skip
+        asynchronous = name == "deepep_dispatch" and len(args) > 5 and bool(args[5])
+        for tensor in _tensors(out):
+            if tensor.dim():  # not the handle token (a host scalar)
+                self._keep_buffer(tensor)
+            if asynchronous:
+                self._in_flight[id(tensor.untyped_storage())] = len(self.counts.calls) - 1
 
     def _record(
         self,
@@ -376,6 +408,11 @@ class StepCounter(TorchDispatchMode):
             if self.regions is not None:
                 self.regions.account(None, extern=True, inputs=_tensors((args, kwargs)), outputs=[])
             self._count_collective(func, args, kwargs, out)
+            return
+        if func.namespace == "nemo_ac" and func.overloadpacket.__name__ in _DEEPEP_SENDS:
+            if self.regions is not None:
+                self.regions.account(None, extern=True, inputs=_tensors((args, kwargs)), outputs=[])
+            self._count_deepep(func.overloadpacket.__name__, args, out)
             return
         if func in _NO_TRAFFIC:
             return

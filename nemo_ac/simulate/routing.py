@@ -9,11 +9,14 @@ dispatch (the rows sent to and received from each ep rank: ``AllToAllDispatcher.
   rest evenly; the busiest expert lives on the simulated rank (its receive side is the worst case).
 
 Every source rank is assumed to route the same number of rows the same way (packed rows of equal length).
-DeepEP's dispatch gets the same counts (its stand-in is this dispatcher); what it puts on the wire differs
-(``deepep_copies``): one copy of a token per destination rank (not per expert) over NVLink, and across nodes one per
-destination node over RDMA, forwarded over NVLink inside that node. Its destinations are the round robin's (token t
-goes to experts t*k .. t*k + k - 1 mod E, as NeMo Automodel's ``FakeBalancedGate`` routes), whatever the imbalance. Routing without expert parallel has no
-data-dependent size: the grouped GEMMs' shapes are the row count whatever the split.
+DeepEP runs as in training (``AssumedRoutingDeepEP``: nemo_ac's DeepEP dispatcher and its custom ops on fake
+tensors, DeepEP's kernels as the ops' fake impls), with two sizes from here (``deepep_layout``): the tokens a rank
+receives, each once however many of its experts a token chose, and the rows of its local experts (the same counts
+as above). What DeepEP puts on the wire: a token once per destination rank (not per expert) over NVLink, and across
+nodes once per destination node over RDMA, forwarded over NVLink inside that node. Its destinations are the round
+robin's (token t goes to experts t*k .. t*k + k - 1 mod E, as NeMo Automodel's ``FakeBalancedGate`` routes),
+whatever the imbalance. Routing without expert parallel has no data-dependent size: the grouped GEMMs' shapes are
+the row count whatever the split.
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from nemo_ac.config.errors import ConfigError, ConfigIssue
 from nemo_ac.distributed.blocks import decoder_layers, routed_moe
-from nemo_ac.distributed.expert_parallel import AllToAllDispatcher, PendingAllToAll
+from nemo_ac.distributed.expert_parallel import AllToAllDispatcher, PendingAllToAll, deepep_ops
+from nemo_ac.distributed.expert_parallel.deepep_dispatcher import DeepEPDispatcher, PendingDeepEP
+from nemo_ac.models.kernels.dispatch import TwoPhaseDispatch
+from nemo_ac.simulate.gpus import GPUS_PER_NODE
 
 
 @dataclass(frozen=True)
@@ -67,69 +74,128 @@ class RoutingAssumption:
 
 
 @dataclass(frozen=True)
-class DeepEPCopies:
-    """What DeepEP sends for each (token, expert) row that another rank of the EP group needs: ``per_rank`` copies
-    over NVLink (one per destination rank) and ``per_node`` over RDMA (one per destination node), both <= 1."""
-
-    per_rank: float
-    per_node: float
-
-
-@dataclass(frozen=True)
 class DeepEPRouting:
-    """The dispatch DeepEP stands in for: tokens per micro batch on this rank, top-k, experts. ``async_dispatch``:
-    the forward's dispatch is DeepEP's ``async_finish`` (the plan calls the ops between compiled graphs:
-    ``DeepEPDispatcher``), so the transfer runs behind the compute issued before its rows are first read."""
+    """What the counter needs to cost DeepEP's ops: top-k and experts (the round robin's destinations), and
+    ``async_dispatch``: the forward's dispatch is DeepEP's ``async_finish`` (the plan calls the ops between compiled
+    graphs: ``DeepEPDispatcher``), so the transfer runs behind the compute issued before its rows are first read."""
 
-    tokens: int
     top_k: int
     num_experts: int
     async_dispatch: bool = False
 
-    def copies(self, *, group_ranks: tuple[int, ...], rank_in_group: int, gpus_per_node: int) -> DeepEPCopies:
-        return deepep_copies(
-            tokens=self.tokens,
+    def layout(
+        self, *, tokens: int, group_ranks: tuple[int, ...], rank_in_group: int, gpus_per_node: int
+    ) -> DeepEPLayout:
+        return deepep_layout(
+            tokens=tokens,
             top_k=self.top_k,
             num_experts=self.num_experts,
             group_ranks=group_ranks,
             rank_in_group=rank_in_group,
             gpus_per_node=gpus_per_node,
+            assumption=RoutingAssumption(),
         )
 
 
+@dataclass(frozen=True)
+class DeepEPLayout:
+    """One DeepEP dispatch of the dry run, per rank (every source rank routes alike): the tokens this rank receives
+    (once each, however many of its experts a token chose), the (token, expert) rows of its local experts, and per
+    token sent, the distinct other ranks and other nodes it goes to."""
+
+    received: int
+    rows_here: int
+    remote_ranks_per_token: float
+    remote_nodes_per_token: float
+
+
 @functools.lru_cache(maxsize=64)
-def deepep_copies(
-    *, tokens: int, top_k: int, num_experts: int, group_ranks: tuple[int, ...], rank_in_group: int, gpus_per_node: int
-) -> DeepEPCopies:
-    """Over the round robin's destinations (module docstring): remote rows, distinct remote ranks and distinct
-    remote nodes per token, summed over ``tokens`` tokens of the rank at ``rank_in_group`` of ``group_ranks``."""
+def deepep_layout(
+    *,
+    tokens: int,
+    top_k: int,
+    num_experts: int,
+    group_ranks: tuple[int, ...],
+    rank_in_group: int,
+    gpus_per_node: int,
+    assumption: RoutingAssumption,
+) -> DeepEPLayout:
+    """The round robin's destinations (module docstring) for what goes where; the assumption's counts for the rows
+    of the local experts. A busier expert here receives more tokens too: at least its rows, from each source."""
     local = num_experts // len(group_ranks)
     node_of = [rank // gpus_per_node for rank in group_ranks]
     own_node = node_of[rank_in_group]
-    rows = ranks = nodes = 0
+    here = ranks = nodes = 0
     for token in range(tokens):
-        slots = [(token * top_k + slot) % num_experts // local for slot in range(top_k)]
-        remote = {r for r in slots if r != rank_in_group}
-        rows += sum(1 for r in slots if r != rank_in_group)
-        ranks += len(remote)
-        nodes += len({node_of[r] for r in remote} - {own_node})
-    if rows == 0:
-        return DeepEPCopies(per_rank=1.0, per_node=1.0)
-    return DeepEPCopies(per_rank=ranks / rows, per_node=nodes / rows)
+        owners = {(token * top_k + slot) % num_experts // local for slot in range(top_k)}
+        here += rank_in_group in owners
+        ranks += len(owners - {rank_in_group})
+        nodes += len({node_of[r] for r in owners} - {own_node})
+    per_expert = assumption.expert_counts(tokens * top_k, num_experts)[
+        rank_in_group * local : (rank_in_group + 1) * local
+    ]
+    from_each = min(tokens, max(here, max(per_expert, default=0)))
+    return DeepEPLayout(
+        received=from_each * len(group_ranks),
+        rows_here=sum(per_expert) * len(group_ranks),
+        remote_ranks_per_token=ranks / max(tokens, 1),
+        remote_nodes_per_token=nodes / max(tokens, 1),
+    )
+
+
+class NoDeepEPKernels:
+    """The dry run's ``deep_ep.Buffer``: never made. Under fake tensors DeepEP's ops run their fake impls only."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("the dry run runs no DeepEP kernel: a DeepEP op ran outside fake tensors")
+
+
+class AssumedRoutingDeepEP(DeepEPDispatcher):
+    """The recipe's own DeepEP dispatcher in the dry run: its expert-side permutation, weighting and combine, and the
+    ``nemo_ac::deepep_*`` ops that selective AC saves, run as in training on fake tensors. DeepEP's kernels do not
+    run (the ops' fake impls), so the two data-dependent sizes come from the routing assumption (``deepep_layout``):
+    the tokens this rank receives and the rows of its local experts."""
+
+    def __init__(
+        self, *, group: dist.ProcessGroup, num_experts: int, assumption: RoutingAssumption, async_dispatch: bool
+    ) -> None:
+        super().__init__(
+            group=group, num_experts=num_experts, between_compiled_graphs=async_dispatch, buffer_cls=NoDeepEPKernels
+        )
+        self.assumption = assumption
+        self._rows_here = 0
+
+    def layout(self, *, tokens: int, top_k: int) -> DeepEPLayout:
+        return deepep_layout(
+            tokens=tokens,
+            top_k=top_k,
+            num_experts=self.num_experts,
+            group_ranks=tuple(dist.get_process_group_ranks(self.group)),
+            rank_in_group=dist.get_rank(self.group),
+            gpus_per_node=GPUS_PER_NODE,
+            assumption=self.assumption,
+        )
+
+    def dispatch_start(
+        self, hidden: torch.Tensor, top_idx: torch.Tensor, num_experts: int, top_scores: torch.Tensor | None = None
+    ) -> PendingDeepEP:
+        layout = self.layout(tokens=top_idx.shape[0], top_k=top_idx.shape[1])
+        deepep_ops.assume_received_rows(self.buffers_key, layout.received)
+        self._rows_here = layout.rows_here
+        return super().dispatch_start(hidden, top_idx, num_experts, top_scores=top_scores)
+
+    def rows_here(self, tokens_per_expert: torch.Tensor) -> int:
+        return self._rows_here
 
 
 class AssumedSplitsDispatcher(AllToAllDispatcher):
     """``AllToAllDispatcher`` whose split sizes come from a ``RoutingAssumption`` instead of the router's counts
     (the only override: sorting, permutation, the count exchange and both all-to-alls run as in training)."""
 
-    def __init__(
-        self, *, inner: AllToAllDispatcher, assumption: RoutingAssumption, rank: int, async_dispatch: bool = False
-    ) -> None:
+    def __init__(self, *, inner: AllToAllDispatcher, assumption: RoutingAssumption, rank: int) -> None:
         super().__init__(group=inner.group, num_experts=inner.num_experts, collective_group=inner.collective_group)
         self.assumption = assumption
         self.rank = rank
-        # Standing in for DeepEP's asynchronous dispatch: MoE.forward then orders its shared expert as it would.
-        self.async_dispatch = async_dispatch
         self._rows = 0  # (token, slot) rows of the dispatch in progress
 
     def split_sizes(self, counts: torch.Tensor, recv_counts: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -150,19 +216,26 @@ class AssumedSplitsDispatcher(AllToAllDispatcher):
 def install_assumed_routing(
     model: nn.Module, *, assumption: RoutingAssumption, ep_rank: int, async_dispatch: bool = False
 ) -> int:
-    """Give every expert-parallel MoE layer the assumption's split sizes; returns how many layers use it.
-    ``async_dispatch``: the dispatcher stands in for one whose dispatch is asynchronous (DeepEP between graphs)."""
+    """Give every expert-parallel MoE layer the assumption's sizes (the all-to-all dispatcher's split sizes, DeepEP's
+    received tokens and local rows); returns how many layers use it. ``async_dispatch``: DeepEP's forward dispatch
+    is asynchronous in the planned run (between compiled graphs; the dry run itself compiles nothing)."""
     installed = 0
-    replaced: dict[int, AssumedSplitsDispatcher] = {}
+    replaced: dict[int, TwoPhaseDispatch] = {}
     for block in decoder_layers(model):
         moe = routed_moe(block)
-        if moe is None or not isinstance(moe.dispatcher, AllToAllDispatcher):
+        if moe is None or not isinstance(moe.dispatcher, (AllToAllDispatcher, DeepEPDispatcher)):
             continue
         inner = moe.dispatcher
         if id(inner) not in replaced:
-            replaced[id(inner)] = AssumedSplitsDispatcher(
-                inner=inner, assumption=assumption, rank=ep_rank, async_dispatch=async_dispatch
-            )
+            if isinstance(inner, DeepEPDispatcher):
+                replaced[id(inner)] = AssumedRoutingDeepEP(
+                    group=inner.group,
+                    num_experts=inner.num_experts,
+                    assumption=assumption,
+                    async_dispatch=async_dispatch,
+                )
+            else:
+                replaced[id(inner)] = AssumedSplitsDispatcher(inner=inner, assumption=assumption, rank=ep_rank)
         moe.set_dispatcher(replaced[id(inner)])
         installed += 1
     return installed

@@ -39,9 +39,10 @@ from nemo_ac.simulate.host_shards import add_host_shard_costs, fsdp_unit_shards,
 from nemo_ac.simulate.host_shards import describe as describe_host_shards
 from nemo_ac.simulate.inputs import DataAssumption, reads_offline, standin_micro_batches
 from nemo_ac.simulate.memory import HOST_CATEGORIES, HandAdded, PeakSampler, host_bytes
-from nemo_ac.simulate.routing import DeepEPRouting, RoutingAssumption, install_assumed_routing
+from nemo_ac.simulate.routing import DeepEPRouting, NoDeepEPKernels, RoutingAssumption, install_assumed_routing
 from nemo_ac.simulate.stand_ins import (
     DEEPEP_BUFFER_BYTES,
+    DEEPEP_STAND_IN,
     executed_kernels,
     execution_recipe,
     planned_gpu_kernel_notes,
@@ -176,6 +177,8 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
     stand_ins = kernel_stand_ins + execution_notes
     # Expert parallel and DeepEP as the plan decided them (the plan refuses DeepEP without expert parallel).
     expert_parallel, uses_deepep = plan.ep > 1, plan.kernels.dispatcher.value == "deepep"
+    if uses_deepep:
+        stand_ins.append(DEEPEP_STAND_IN)
     # DeepEP between compiled graphs dispatches asynchronously: the stand-in orders the MoE as it, the counter times it.
     async_dispatch = uses_deepep and plan.dispatcher_between_graphs()
     if expert_parallel:
@@ -212,6 +215,7 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
                 materialize=materialize,
                 prepare_model=install_routing,
                 kernels=kernels,
+                deepep_buffer_cls=NoDeepEPKernels,
             ),
         )
         model, meshes, optimizer, applied = setup.model, setup.meshes, setup.optimizer, setup.plan
@@ -242,7 +246,6 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         deepep = None
         if uses_deepep:
             deepep = DeepEPRouting(
-                tokens=prepared[0].labels.numel(),  # this rank's tokens of a micro batch (after the CP split)
                 top_k=recipe.model.moe.num_experts_per_tok,
                 num_experts=recipe.model.moe.num_experts,
                 async_dispatch=async_dispatch,

@@ -9,7 +9,9 @@ each (plan slot, the planned values it replaces, what runs, why the count is sti
 at the bytes inductor's fusion leaves, ``simulate.fusion``).
 
 The mixer kernels need no row: fla's and mamba-ssm's custom ops run here through their fake implementations
-(``models.kernels``), so the planned op is the executed op.
+(``models.kernels``), so the planned op is the executed op. DeepEP's neither: nemo_ac's DeepEP dispatcher runs as
+planned, its ``nemo_ac::deepep_*`` ops through their fake impls, with the sizes the routing assumption gives
+(``DEEPEP_STAND_IN``, ``simulate.routing.AssumedRoutingDeepEP``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ from nemo_ac.distributed.plan.kernels import Chosen, KernelPlan
 # DeepEP's NVLink + RDMA buffers (deep_ep.Buffer, outside torch's allocator): DeepEP's tests size them at ~1 GB each
 # for hidden 7168 in bf16; added by hand, as an assumption, when the recipe's dispatcher is deepep.
 DEEPEP_BUFFER_BYTES = 2 * 2**30
+DEEPEP_STAND_IN = (
+    "dispatcher deepep -> the same, without DeepEP's kernels: nemo_ac's DeepEP dispatcher runs as in training (the "
+    "expert-side permutation, weighting and combine, the nemo_ac::deepep_* ops selective AC saves), the ops through "
+    "their fake impls: the tokens received and the rows per local expert from the routing assumption, the transfers "
+    "costed as DeepEP sends them (a token once per destination rank over NVLink, once per destination node over "
+    f"RDMA); DeepEP's own buffers added by hand: {DEEPEP_BUFFER_BYTES / 2**30:.0f} GiB"
+)
 
 
 @dataclass(frozen=True)
@@ -46,14 +55,6 @@ KERNEL_STAND_INS: tuple[KernelStandIn, ...] = (
     ),
     KernelStandIn("linear", frozenset({"te"}), "torch", "Transformer Engine Linear: the same GEMMs"),
     KernelStandIn("rms_norm", frozenset({"te"}), "torch", "Transformer Engine RMSNorm: the same norms"),
-    KernelStandIn(
-        "dispatcher",
-        frozenset({"deepep"}),
-        "torch",
-        "DeepEP dispatch / combine as the all-to-all dispatcher under the same routing assumption, the same rows "
-        "arrive (costed as DeepEP sends them: a token once per destination rank over NVLink, once per destination "
-        f"node over RDMA; DeepEP's own buffers added by hand: {DEEPEP_BUFFER_BYTES / 2**30:.0f} GiB)",
-    ),
 )
 
 

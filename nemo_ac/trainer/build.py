@@ -75,6 +75,9 @@ class DryRunTarget:
     # The kernels the dry run executes: the planned ones with the CPU stand-ins of the CUDA-only kernels
     # (``simulate.stand_ins``); left out, resolved for the CPU as a run there would.
     kernels: KernelPlan | None = None
+    # The ``deep_ep.Buffer`` its DeepEP dispatcher gets: one that runs no kernel (under fake tensors DeepEP's ops run
+    # their fake impls), so that no DeepEP install is needed.
+    deepep_buffer_cls: type | None = None
 
     @property
     def host(self) -> str:
@@ -154,14 +157,19 @@ def plan_recipe(
 
 
 def build_parallel_model(
-    recipe: RecipeConfig, layout: ParallelLayout, *, device: torch.device, kernels: KernelPlan | None = None
+    recipe: RecipeConfig,
+    layout: ParallelLayout,
+    *,
+    device: torch.device,
+    kernels: KernelPlan | None = None,
+    deepep_buffer_cls: type | None = None,
 ) -> tuple[nn.Module, ParallelMeshes, ParallelPlan]:
     """Meshes, the model on meta and its plan (``planned_model``), parallelized as the plan says (weights not yet
-    materialized). ``kernels``: left out, resolved for ``device``."""
+    materialized). ``kernels``: left out, resolved for ``device``. ``deepep_buffer_cls``: ``parallelize``'s."""
     meshes = build_meshes(layout, device_type=device.type)
     torch.manual_seed(recipe.train.seed)
     model, plan = planned_model(recipe, layout, device_type=meshes.device_type, kernels=kernels)
-    plan = parallelize(model, plan=plan, meshes=meshes)
+    plan = parallelize(model, plan=plan, meshes=meshes, deepep_buffer_cls=deepep_buffer_cls)
     return model, meshes, plan
 
 
@@ -172,7 +180,10 @@ def build_training(
     build sequence (module docstring). ``dry_run``: build the dry run's twin instead (``DryRunTarget``; no data
     source: the dry run makes its own micro batches)."""
     kernels = dry_run.kernels if dry_run is not None else None
-    model, meshes, plan = build_parallel_model(recipe, layout, device=device, kernels=kernels)
+    buffer_cls = dry_run.deepep_buffer_cls if dry_run is not None else None
+    model, meshes, plan = build_parallel_model(
+        recipe, layout, device=device, kernels=kernels, deepep_buffer_cls=buffer_cls
+    )
     if dry_run is None:
         weights = materialize_weights(
             model,

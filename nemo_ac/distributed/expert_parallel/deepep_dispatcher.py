@@ -183,7 +183,7 @@ class DeepEPDispatcher(TwoPhaseDispatch):
         parked = torch.where(recv_idx >= 0, recv_idx, torch.full_like(recv_idx, self.num_local_experts))
         order, counts = sort_by_expert(parked, self.num_local_experts + 1)
         tokens_per_expert = counts[: self.num_local_experts]
-        order = order[: int(tokens_per_expert.sum())]
+        order = order[: self.rows_here(tokens_per_expert)]
         ctx = DeepEPContext(
             handle=handle,
             order=order,
@@ -192,6 +192,11 @@ class DeepEPDispatcher(TwoPhaseDispatch):
             num_tokens=pending.num_tokens,
         )
         return permute_tokens(recv_x, order, k), tokens_per_expert, ctx
+
+    def rows_here(self, tokens_per_expert: torch.Tensor) -> int:
+        """The (token, expert) rows of this rank's experts: a device-to-host sync, the one of a dispatch (the dry run
+        answers it from its routing assumption)."""
+        return int(tokens_per_expert.sum())
 
     def combine(self, expert_out: torch.Tensor, top_scores: torch.Tensor, ctx: DeepEPContext) -> torch.Tensor:
         """Weights each expert row by its router weight (fp32), sums a received token's rows, sends the sums home."""

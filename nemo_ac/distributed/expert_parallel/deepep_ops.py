@@ -22,7 +22,9 @@ combine", and the reverse):
   not need the received rows (the shared expert: ``MoE.forward``), as DeepEP's README overlaps communication.
 
 The received token count is data-dependent: the fake impl of ``deepep_dispatch`` gives ``recv_x`` an unbacked size
-(``torch.library.get_ctx().new_dynamic_size()``); every later op takes its sizes from tensors or int arguments.
+(``torch.library.get_ctx().new_dynamic_size()``); every later op takes its sizes from tensors or int arguments. The
+dry run (``nemo_ac.simulate``), whose fake tensors hold no router values, says the count instead
+(``assume_received_rows``: its routing assumption).
 
 The handle. DeepEP's ``handle`` is an opaque Python tuple (its layout: prefix matrices, source indices, ...), and a
 custom op takes and returns tensors and scalars only. It travels as a *token*: a 0-dim CPU int64 tensor holding a
@@ -59,6 +61,7 @@ class BufferSource(Protocol):
     """What the ops need from a dispatcher's buffer cache (``deepep_dispatcher.DeepEPBuffers``)."""
 
     topk_idx_dtype: torch.dtype
+    group: Any  # the expert-parallel process group
 
     def get(self, hidden: torch.Tensor) -> Any:
         """The ``Buffer`` for tokens shaped like ``hidden`` (grown if it needs more bytes)."""
@@ -69,6 +72,7 @@ _SOURCES: weakref.WeakValueDictionary[int, BufferSource] = weakref.WeakValueDict
 _HANDLES: dict[int, Any] = {}
 _PENDING: dict[int, Any] = {}  # handle key -> the DeepEP event of a dispatch still in flight (async_finish)
 _KEYS = itertools.count(1)
+_ASSUMED_RECEIVED: dict[int, int] = {}  # buffers key -> tokens a dispatch receives, said by the dry run
 
 
 def register_buffers(source: BufferSource) -> int:
@@ -76,6 +80,17 @@ def register_buffers(source: BufferSource) -> int:
     key = next(_KEYS)
     _SOURCES[key] = source
     return key
+
+
+def assume_received_rows(buffers_key: int, rows: int) -> None:
+    """The dry run's routing assumption: a dispatch through ``buffers_key`` receives ``rows`` tokens (its fake impl
+    then gives ``recv_x`` that size, not an unbacked one)."""
+    _ASSUMED_RECEIVED[buffers_key] = rows
+
+
+def buffer_source(key: int) -> BufferSource:
+    """The buffer cache registered under ``key`` (the dry run's counter reads its process group)."""
+    return _source(key)
 
 
 def _source(key: int) -> BufferSource:
@@ -157,7 +172,10 @@ def deepep_dispatch(
 
 @deepep_dispatch.register_fake
 def _(x, topk_idx, topk_weights, buffers_key, num_experts, async_finish=False):
-    received = torch.library.get_ctx().new_dynamic_size()
+    # Traced by dynamo the key may be symbolic: only the dry run (eager, concrete keys) says the count.
+    received = _ASSUMED_RECEIVED.get(buffers_key) if isinstance(buffers_key, int) else None
+    if received is None:
+        received = torch.library.get_ctx().new_dynamic_size()
     return (
         x.new_empty(received, x.shape[1]),
         topk_idx.new_empty(received, topk_idx.shape[1]),
