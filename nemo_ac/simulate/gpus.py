@@ -29,7 +29,7 @@ MATMUL_EFFICIENCY = 0.75  # dense GEMMs (mm / addmm / bmm): large bf16 GEMMs on 
 # DeepEP, fake balanced gate: 21.773 s per step), shipped as benchmarks/recipes/qwen3_30b_a3b_automodel_ep8.yaml:
 # the value at which the estimate of that row equals the measured step, rounded (`python
 # benchmarks/plan_calibration.py` solves for it again and prints the estimate's error on every measured row).
-KERNEL_EFFICIENCY = 0.52
+KERNEL_EFFICIENCY = 0.44
 HBM_EFFICIENCY = 0.85  # streaming elementwise kernels reach ~80-90% of HBM bandwidth
 LINK_EFFICIENCY = 0.80  # NCCL bus bandwidth over NVLink / InfiniBand on messages of several MiB
 # The optimizer step over shards kept in host memory (train.optimizer_offload: full) is bound by the node's DRAM
