@@ -42,8 +42,8 @@ ROWS = (
     ac("ssm none", "none", "full", "full"),
     ac("moe selective", "full", "selective", "full"),
     ac("moe selective, collectives recomputed", "full", "selective", "full", save_communication=False),
-    ac("moe, attention selective, collectives recomputed (the recipe)", "full", "selective", "selective",
-       save_communication=False),
+    ac("moe, attention selective, collectives recomputed", "full", "selective", "selective", save_communication=False),
+    ac("moe, attention selective (the recipe)", "full", "selective", "selective"),
     ac("selective", "selective", "selective", "selective"),
     ac("none", "none", "none", "none"),
 )  # fmt: skip
