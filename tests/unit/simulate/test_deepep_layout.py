@@ -62,7 +62,8 @@ def _nemotron_counts(dispatcher: str):
 
     path, world = FLAGSHIPS_AT_WORLD_SIZE["nemotron"]
     overrides = ["data.seq_len=4096", "train.global_batch_size=512", "train.micro_batch_size=2", "model.num_layers=3",
-                 "model.layer_pattern=M*E", "compile.enabled=false", f"backend.dispatcher={dispatcher}"]  # fmt: skip
+                 "model.layer_pattern=M*E", "compile.enabled=false", f"backend.dispatcher={dispatcher}",
+                 "activation_checkpointing.selective.save_communication=false"]  # fmt: skip
     recipe = load_recipe(str(path), overrides)
     simulation = simulate(recipe, validate_recipe(recipe, world_size=world), SimulationOptions(world_size=world))
     return recipe, simulation

@@ -149,7 +149,8 @@ def test_deepeps_async_dispatch_runs_behind_the_shared_experts_first_projection(
     path, world = FLAGSHIPS["nemotron"]
     shape = ["data.seq_len=4096", "train.global_batch_size=512", "train.micro_batch_size=2"]
     blocks = ["model.num_layers=8", "model.layer_pattern=MEMEM*EM", f"compile.enabled={str(compiled).lower()}"]
-    recipe = load_recipe(path, [*shape, *blocks])
+    recompute_dispatch = ["activation_checkpointing.selective.save_communication=false"]  # the recompute dispatches
+    recipe = load_recipe(path, [*shape, *blocks, *recompute_dispatch])
     simulation = simulate(recipe, validate_recipe(recipe, world_size=world), SimulationOptions(world_size=world))
     counts = simulation.measurement.counts
     tokens = 2 * 4096
