@@ -136,12 +136,13 @@ def _row_bytes(*tensors: torch.Tensor) -> int:
     return sum(_nbytes(t) // max(t.shape[0], 1) for t in tensors)
 
 
-# DeepEP's ops (distributed.expert_parallel.deepep_ops) -> (this rank's tokens, bytes per token sent) from the args.
-_DEEPEP_SENDS: dict[str, Callable[[tuple], tuple[int, int]]] = {
-    "deepep_dispatch": lambda a: (a[0].shape[0], _row_bytes(a[0], a[1], a[2])),  # x, topk ids, topk weights
-    "deepep_combine_backward": lambda a: (a[0].shape[0], _row_bytes(a[0])),  # a dispatch of the gradient
-    "deepep_combine": lambda a: (a[3], _row_bytes(a[0])),  # [received, H] back to the num_tokens sources
-    "deepep_dispatch_backward": lambda a: (a[4], _row_bytes(a[0], a[1])),  # a combine: gradients and weights'
+# DeepEP's ops (distributed.expert_parallel.deepep_ops) -> (this rank's tokens, bytes per token sent, buffers key),
+# read from each op's arguments.
+_DEEPEP_SENDS: dict[str, Callable[[tuple], tuple[int, int, int]]] = {
+    "deepep_dispatch": lambda a: (a[0].shape[0], _row_bytes(a[0], a[1], a[2]), a[3]),  # x, topk ids, topk weights
+    "deepep_combine_backward": lambda a: (a[0].shape[0], _row_bytes(a[0]), a[2]),  # a dispatch of the gradient
+    "deepep_combine": lambda a: (a[3], _row_bytes(a[0]), a[2]),  # [received, H] back to the num_tokens sources
+    "deepep_dispatch_backward": lambda a: (a[4], _row_bytes(a[0], a[1]), a[3]),  # a combine: gradients, weights'
 }
 
 
@@ -228,7 +229,7 @@ class StepCounter(TorchDispatchMode):
         "communication buffer" bytes (FSDP's own buffers the memory tracker names itself); ``buffer_state()``
         reports them with the phase. ``regions``: the plan's compiled blocks, whose fused traffic each op's
         ``compiled_bytes`` records (``simulate.fusion``). ``deepep``: how DeepEP's ops (``nemo_ac::deepep_*``) are
-        costed, recorded as kind ``deepep`` with the copies DeepEP sends (``simulate.routing.deepep_layout``)."""
+        costed, recorded as kind ``deepep`` with the copies DeepEP sends (``simulate.routing.deepep_destinations``)."""
         super().__init__()
         self.group_labels = dict(group_labels or {})
         self.regions = regions
@@ -312,24 +313,23 @@ class StepCounter(TorchDispatchMode):
         """One of DeepEP's ops: what this rank sends is its tokens, once per other rank each goes to over NVLink and
         once per other node over RDMA (a dispatch; a combine sends as many back, every rank routing alike), a row
         being the op's hidden row plus, for the dispatch, the token's expert ids and weights."""
-        tokens, rows = _DEEPEP_SENDS[name](args)
-        key = args[3] if name in ("deepep_dispatch", "deepep_dispatch_backward") else args[2]
+        tokens, rows, key = _DEEPEP_SENDS[name](args)
         group = deepep_ops.buffer_source(key).group
         label, ranks = self._label(group)
         if self.deepep is None:
             raise RuntimeError("a DeepEP op ran in a dry run whose plan has no DeepEP dispatcher")
-        layout = self.deepep.layout(
+        where = self.deepep.destinations(
             tokens=tokens, group_ranks=ranks, rank_in_group=dist.get_rank(group), gpus_per_node=GPUS_PER_NODE
         )
         payload = sum(_nbytes(t) for t in _tensors(out))
-        wire = round(tokens * layout.remote_ranks_per_token * rows)
+        wire = round(tokens * where.remote_ranks_per_token * rows)
         # The forward ops run inside their autograd function, without grad mode: seen during backward they are a
         # checkpoint's recompute, which the phase from grad mode cannot tell from the backward.
         forward_op = name in ("deepep_dispatch", "deepep_combine")
         phase = "recompute" if forward_op and self._phase() == "backward" else self._phase()
         with self.phase(phase):
             self._record(label, "deepep", False, ranks, payload, wire,
-                         network=round(tokens * layout.remote_nodes_per_token * rows))  # fmt: skip
+                         network=round(tokens * where.remote_nodes_per_token * rows))  # fmt: skip
         asynchronous = name == "deepep_dispatch" and len(args) > 5 and bool(args[5])
         for tensor in _tensors(out):
             if tensor.dim():  # not the handle token (a host scalar)

@@ -83,18 +83,45 @@ class DeepEPRouting:
     num_experts: int
     async_dispatch: bool = False
 
-    def layout(
+    def destinations(
         self, *, tokens: int, group_ranks: tuple[int, ...], rank_in_group: int, gpus_per_node: int
-    ) -> DeepEPLayout:
-        return deepep_layout(
+    ) -> DeepEPDestinations:
+        return deepep_destinations(
             tokens=tokens,
             top_k=self.top_k,
             num_experts=self.num_experts,
             group_ranks=group_ranks,
             rank_in_group=rank_in_group,
             gpus_per_node=gpus_per_node,
-            assumption=RoutingAssumption(),
         )
+
+
+@dataclass(frozen=True)
+class DeepEPDestinations:
+    """Where one source rank's tokens go under the round robin (whatever the imbalance, module docstring): how many
+    have an expert on the simulated rank, and per token sent, the distinct other ranks and other nodes it reaches."""
+
+    here: int
+    remote_ranks_per_token: float
+    remote_nodes_per_token: float
+
+
+@functools.lru_cache(maxsize=64)
+def deepep_destinations(
+    *, tokens: int, top_k: int, num_experts: int, group_ranks: tuple[int, ...], rank_in_group: int, gpus_per_node: int
+) -> DeepEPDestinations:
+    local = num_experts // len(group_ranks)
+    node_of = [rank // gpus_per_node for rank in group_ranks]
+    own_node = node_of[rank_in_group]
+    here = ranks = nodes = 0
+    for token in range(tokens):
+        owners = {(token * top_k + slot) % num_experts // local for slot in range(top_k)}
+        here += rank_in_group in owners
+        ranks += len(owners - {rank_in_group})
+        nodes += len({node_of[r] for r in owners} - {own_node})
+    return DeepEPDestinations(
+        here=here, remote_ranks_per_token=ranks / max(tokens, 1), remote_nodes_per_token=nodes / max(tokens, 1)
+    )
 
 
 @dataclass(frozen=True)
@@ -120,26 +147,26 @@ def deepep_layout(
     gpus_per_node: int,
     assumption: RoutingAssumption,
 ) -> DeepEPLayout:
-    """The round robin's destinations (module docstring) for what goes where; the assumption's counts for the rows
-    of the local experts. A busier expert here receives more tokens too: at least its rows, from each source."""
+    """``deepep_destinations`` for what goes where; the assumption's counts for the rows of the local experts. A
+    busier expert here receives more tokens too: at least its rows, from each source."""
+    where = deepep_destinations(
+        tokens=tokens,
+        top_k=top_k,
+        num_experts=num_experts,
+        group_ranks=group_ranks,
+        rank_in_group=rank_in_group,
+        gpus_per_node=gpus_per_node,
+    )
     local = num_experts // len(group_ranks)
-    node_of = [rank // gpus_per_node for rank in group_ranks]
-    own_node = node_of[rank_in_group]
-    here = ranks = nodes = 0
-    for token in range(tokens):
-        owners = {(token * top_k + slot) % num_experts // local for slot in range(top_k)}
-        here += rank_in_group in owners
-        ranks += len(owners - {rank_in_group})
-        nodes += len({node_of[r] for r in owners} - {own_node})
     per_expert = assumption.expert_counts(tokens * top_k, num_experts)[
         rank_in_group * local : (rank_in_group + 1) * local
     ]
-    from_each = min(tokens, max(here, max(per_expert, default=0)))
+    from_each = min(tokens, max(where.here, max(per_expert, default=0)))
     return DeepEPLayout(
         received=from_each * len(group_ranks),
         rows_here=sum(per_expert) * len(group_ranks),
-        remote_ranks_per_token=ranks / max(tokens, 1),
-        remote_nodes_per_token=nodes / max(tokens, 1),
+        remote_ranks_per_token=where.remote_ranks_per_token,
+        remote_nodes_per_token=where.remote_nodes_per_token,
     )
 
 
