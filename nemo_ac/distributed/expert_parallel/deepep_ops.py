@@ -89,11 +89,8 @@ def assume_received_rows(buffers_key: int, rows: int) -> None:
 
 
 def buffer_source(key: int) -> BufferSource:
-    """The buffer cache registered under ``key`` (the dry run's counter reads its process group)."""
-    return _source(key)
-
-
-def _source(key: int) -> BufferSource:
+    """The buffer cache registered under ``key`` (the ops get their Buffer there; the dry run's counter, the process
+    group)."""
     source = _SOURCES.get(key)
     if source is None:
         raise RuntimeError(f"nemo_ac DeepEP ops: no buffer registered under key {key} (its dispatcher is gone)")
@@ -152,7 +149,7 @@ def deepep_dispatch(
     ``async_finish``: DeepEP's own flag. The transfer runs on DeepEP's communication stream and the compute stream
     does not wait for it here: ``deepep_dispatch_wait(handle)`` makes it wait, and nothing may read the received rows
     before that call (``DeepEPDispatcher.dispatch_finish`` makes it first)."""
-    source = _source(buffers_key)
+    source = buffer_source(buffers_key)
     buffer = source.get(x)
     idx = topk_idx.to(source.topk_idx_dtype)
     per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)
@@ -190,7 +187,7 @@ def deepep_dispatch_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward of dispatch: the received rows' gradients summed back onto their source tokens ([T, H], and the
     weights' gradients [T, k] fp32)."""
-    buffer = _source(buffers_key).get(grad_recv_x)
+    buffer = buffer_source(buffers_key).get(grad_recv_x)
     grad_x, grad_weights, _ = buffer.combine(
         grad_recv_x.contiguous(), _handle(handle), topk_weights=grad_recv_weights.float().contiguous()
     )
@@ -244,7 +241,7 @@ def _(handle):
 def deepep_combine(x: torch.Tensor, handle: torch.Tensor, buffers_key: int, num_tokens: int) -> torch.Tensor:
     """x [R, H] (one row per received token, already weighted) -> [T, H]: each token's rows from every rank it went
     to, summed (DeepEP's combine adds without weights)."""
-    buffer = _source(buffers_key).get(x)
+    buffer = buffer_source(buffers_key).get(x)
     combined, _, _ = buffer.combine(x.contiguous(), _handle(handle))
     return combined
 
@@ -259,7 +256,7 @@ def deepep_combine_backward(
     grad: torch.Tensor, handle: torch.Tensor, buffers_key: int, num_received: int
 ) -> torch.Tensor:
     """The backward of combine: each token's gradient sent again to every rank it went to ([R, H])."""
-    buffer = _source(buffers_key).get(grad)
+    buffer = buffer_source(buffers_key).get(grad)
     recv_grad, *_ = buffer.dispatch(grad.contiguous(), handle=_handle(handle))
     return recv_grad
 
