@@ -35,7 +35,7 @@ def parallelize(
     apply_cp(model, plan=plan, cp_mesh=meshes.cp)
     apply_ac(model, plan=plan)
     # On the AC wrapper (outside the checkpoint), so it sees the block inputs full AC saves (offload.py).
-    offloader = apply_offload(model, enabled=plan.offload_in_flight > 0, in_flight=max(plan.offload_in_flight, 1))
+    offloader = apply_offload(model, enabled=plan.offload_in_flight > 0, in_flight=plan.offload_in_flight)
     compiled = apply_compile(model, plan=plan)
     units = apply_fsdp(model, plan=plan, dense_mesh=meshes.dense_fsdp, expert_mesh=meshes.expert_fsdp)
     # After fully_shard: FSDP2's forward hooks run outside the SAC modes (workarounds.fsdp_hooks_in_sac).
