@@ -428,7 +428,7 @@ class TrainConfig:
     optimizer_offload: Literal["none", "states", "full"] = "none"
     # The dtype the built-in AdamW stores its two moments in between steps: float32 (torch's AdamW, 8 bytes per
     # trainable parameter) or bfloat16 (4 bytes; each update still computes in fp32 on the fp32 masters, and the
-    # moments are written back with stochastic rounding, trainer/adamw_bf16_states.py; DCP resume stays bitwise).
+    # moments are written back with stochastic rounding, trainer/adamw_bf16.py; DCP resume stays bitwise).
     optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
     # The LM head and the cross entropy over this many tokens at a time (models/kernels/chunked_cross_entropy.py):
     # no [tokens, vocab] logits in forward or backward, one extra LM-head matmul per token (backward recomputes each

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from nemo_ac.config.schema import TrainConfig
 from nemo_ac.config.targets import instantiate
-from nemo_ac.trainer.adamw_bf16_states import AdamWBF16States
+from nemo_ac.trainer.adamw_bf16 import AdamWBF16
 from nemo_ac.trainer.host_optimizer_states import AdamWHostStates
 
 
@@ -49,7 +49,7 @@ def build_optimizer(
     if config.optimizer is not None:
         return instantiate(config.optimizer, groups, key="train.optimizer", allow=extensions, lr=config.lr)
     if config.optimizer_state_dtype == "bfloat16":
-        return AdamWBF16States(
+        return AdamWBF16(
             groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay,
             seed=config.seed,
         )  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 
 from nemo_ac.config import ConfigError, load_recipe, validate_recipe
 from nemo_ac.simulate.run import SimulationOptions, simulate
-from nemo_ac.trainer.adamw_bf16_states import AdamWBF16States, stochastic_round_to_bf16
+from nemo_ac.trainer.adamw_bf16 import AdamWBF16, stochastic_round_to_bf16
 from tests.factories import optimizer_test_groups, optimizer_test_params, train_optimizer
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -22,7 +22,7 @@ def test_with_fp32_moments_every_update_is_bitwise_torchs_adamw() -> None:
     """The update is torch's single-tensor AdamW line for line: with fp32 moments nothing differs, which leaves
     the bf16 policy's only difference in the rounding of the two stored moments."""
     ours, theirs = optimizer_test_params(), optimizer_test_params()
-    mine = AdamWBF16States(optimizer_test_groups(ours), lr=1e-2, betas=(0.9, 0.95), state_dtype=torch.float32)
+    mine = AdamWBF16(optimizer_test_groups(ours), lr=1e-2, betas=(0.9, 0.95), state_dtype=torch.float32)
     torch_adamw = torch.optim.AdamW(optimizer_test_groups(theirs), lr=1e-2, betas=(0.9, 0.95), foreach=False)
     train_optimizer(mine, ours, range(12))
     train_optimizer(torch_adamw, theirs, range(12))
@@ -47,14 +47,14 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_bf16_neighbour() -> None
 def test_bf16_moments_halve_the_state_and_a_round_trip_continues_bitwise() -> None:
     """The noise is seeded by (seed, parameter, step): a resumed optimizer draws what the uninterrupted one drew."""
     straight = optimizer_test_params()
-    optimizer = AdamWBF16States(optimizer_test_groups(straight), lr=1e-2, seed=7)
+    optimizer = AdamWBF16(optimizer_test_groups(straight), lr=1e-2, seed=7)
     train_optimizer(optimizer, straight, range(6))
     assert {state["exp_avg"].dtype for state in optimizer.state.values()} == {torch.bfloat16}
     saved_params = [p.detach().clone() for p in straight]
     saved = copy.deepcopy(optimizer.state_dict())
     train_optimizer(optimizer, straight, range(6, 12))
     resumed = [torch.nn.Parameter(p.clone()) for p in saved_params]
-    restored = AdamWBF16States(optimizer_test_groups(resumed), lr=1e-2, seed=7)
+    restored = AdamWBF16(optimizer_test_groups(resumed), lr=1e-2, seed=7)
     restored.load_state_dict(saved)
     assert {state["exp_avg_sq"].dtype for state in restored.state.values()} == {torch.bfloat16}  # torch casts to fp32
     train_optimizer(restored, resumed, range(6, 12))
@@ -75,7 +75,7 @@ def test_a_small_model_trains_as_with_fp32_moments_over_150_steps() -> None:
     def run(state_dtype: torch.dtype) -> list[float]:
         torch.manual_seed(1)
         model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-        optimizer = AdamWBF16States(model.parameters(), lr=1e-2, betas=(0.9, 0.95), state_dtype=state_dtype)
+        optimizer = AdamWBF16(model.parameters(), lr=1e-2, betas=(0.9, 0.95), state_dtype=state_dtype)
         losses = []
         for _ in range(150):
             loss = torch.nn.functional.mse_loss(model(inputs), targets)

@@ -13,7 +13,7 @@ dtype), and its low-bit optimizers (``AdamW8bit``, ``AdamWFp8``) quantize block-
 update with ``torch.compile``; neither keeps fp32 masters with bf16 moments. What is written by hand here is only
 the rounding (the bit trick torchao uses too) and AdamW's update, line for line torch's single-tensor AdamW: with
 ``state_dtype=torch.float32`` the class is bitwise ``torch.optim.AdamW(foreach=False)``
-(tests/unit/trainer/test_adamw_bf16_states.py).
+(tests/unit/trainer/test_adamw_bf16.py).
 
 The rounding noise is drawn from a generator seeded by (``seed``, the parameter's index, its step), so a resumed run
 draws the same noise as an uninterrupted one: DCP resume is bitwise, with nothing beyond AdamW's own state saved.
@@ -51,7 +51,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-class AdamWBF16States(torch.optim.Optimizer):
+class AdamWBF16(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, torch's bias correction; no amsgrad) with ``exp_avg`` / ``exp_avg_sq`` in
     ``state_dtype`` (bf16: stochastically rounded on every write; fp32: exactly torch's AdamW)."""
 
@@ -67,7 +67,7 @@ class AdamWBF16States(torch.optim.Optimizer):
         seed: int = 0,
     ) -> None:
         if state_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"AdamWBF16States keeps its moments in bfloat16 or float32, not {state_dtype}")
+            raise ValueError(f"AdamWBF16 keeps its moments in bfloat16 or float32, not {state_dtype}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.state_dtype = state_dtype
         self.seed = seed
