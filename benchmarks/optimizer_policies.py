@@ -7,11 +7,15 @@ off so the launches stay short), from the same seed on the same rows:
 - ``bf16 moments``: ``train.optimizer_state_dtype=bfloat16`` (stochastic rounding, trainer/adamw_bf16.py);
 - ``host states``: ``train.optimizer_offload=states`` (fp32 moments in host memory, bitwise the reference);
 - ``full offload``: ``train.optimizer_offload=full`` (FSDP2's CPUOffloadPolicy, the step on the host);
-- ``full offload + bf16 moments``: both.
+- ``full offload + bf16 moments``: both;
+- ``fp32 masters, bf16 compute``: ``parallel.fsdp.param_dtype=bfloat16`` (the flagships' compute), the reference of
+  the two bf16-master rows below, which need bf16 compute;
+- ``bf16 masters``: ``train.master_dtype=bfloat16`` (parameters and gradients in bf16, stochastically rounded update);
+- ``bf16 masters + bf16 moments``: 8 bytes per parameter in all, NeMo Automodel's benchmark setting.
 
-Printed per policy: the largest loss difference from the reference over the 120 steps (absolute, and relative to
+Printed per policy: the largest loss difference from its reference over the 120 steps (absolute, and relative to
 the first loss), the mean loss of the last 20 steps beside the reference's (single steps swing by 10% from row to
-row), whether the curve is bitwise the reference's, and the optimizer-state bytes per
+row), whether the curve is bitwise the reference's, and the optimizer-state and parameter + gradient bytes per
 rank on the device at the optimizer step by the dry run (``nemo-ac plan``'s memory model on the same recipe). Then
 the bf16 policy is stopped after step 60 (a DCP checkpoint) and resumed to 120: its curve must be bitwise the
 uninterrupted one (the rounding noise is seeded by parameter and step).
@@ -34,20 +38,34 @@ from nemo_ac.simulate.run import SimulationOptions, simulate
 
 STEPS = 120
 COMMON = [f"train.steps={STEPS}", "compile.enabled=false"]
+REFERENCE, BF16_REFERENCE = "fp32 (reference)", "fp32 masters, bf16 compute"
+BF16_COMPUTE = "parallel.fsdp.param_dtype=bfloat16"
+# name -> (overrides, the policy its curve is compared with)
 POLICIES = {
-    "fp32 (reference)": [],
-    "bf16 moments": ["train.optimizer_state_dtype=bfloat16"],
-    "host states": ["train.optimizer_offload=states"],
-    "full offload": ["train.optimizer_offload=full"],
-    "full offload + bf16 moments": ["train.optimizer_offload=full", "train.optimizer_state_dtype=bfloat16"],
+    REFERENCE: ([], REFERENCE),
+    "bf16 moments": (["train.optimizer_state_dtype=bfloat16"], REFERENCE),
+    "host states": (["train.optimizer_offload=states"], REFERENCE),
+    "full offload": (["train.optimizer_offload=full"], REFERENCE),
+    "full offload + bf16 moments": (
+        ["train.optimizer_offload=full", "train.optimizer_state_dtype=bfloat16"],
+        REFERENCE,
+    ),
+    BF16_REFERENCE: ([BF16_COMPUTE], BF16_REFERENCE),
+    "bf16 masters": ([BF16_COMPUTE, "train.master_dtype=bfloat16"], BF16_REFERENCE),
+    "bf16 masters + bf16 moments": (
+        [BF16_COMPUTE, "train.master_dtype=bfloat16", "train.optimizer_state_dtype=bfloat16"],
+        BF16_REFERENCE,
+    ),
 }
 
 
-def device_state_bytes(overrides: list[str]) -> int:
-    """The dry run's optimizer states on the device at the optimizer step (2 ranks, rank 0)."""
+def device_bytes(overrides: list[str]) -> tuple[int, int]:
+    """The dry run's optimizer states, and parameters + gradients, on the device at the optimizer step (2 ranks,
+    rank 0)."""
     recipe = load_recipe(TINY_RECIPE, [*COMMON, *overrides])
     result = simulate(recipe, validate_recipe(recipe, world_size=2), SimulationOptions(world_size=2))
-    return result.measurement.phase_peaks["optimizer"].terms.get("optimizer states", 0)
+    terms = result.measurement.phase_peaks["optimizer"].terms
+    return terms.get("optimizer states", 0), terms.get("parameters", 0) + terms.get("gradients", 0)
 
 
 def main() -> None:
@@ -58,28 +76,29 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="nemo_ac_optimizer_policies_"))
     losses: dict[str, list[float]] = {}
     rows, payload = [], {}
-    for name, overrides in POLICIES.items():
+    for name, (overrides, reference_name) in POLICIES.items():
         launch = launch_train(overrides=[*COMMON, *overrides], run_dir=work / name.replace(" ", "_"))
         if not launch.ok:
             raise SystemExit(f"{name}: {launch.status()}\n{launch.output_tail}")
         losses[name] = [record["loss"] for record in launch.records]
-        reference = losses["fp32 (reference)"]
+        reference = losses[reference_name]
         worst = max(abs(a - b) for a, b in zip(losses[name], reference, strict=True))
-        state_bytes = device_state_bytes(overrides)
-        payload[name] = {"overrides": overrides, "losses": losses[name], "max_abs_loss_diff": worst,
-                         "device_optimizer_state_bytes": state_bytes}  # fmt: skip
+        state_bytes, weight_bytes = device_bytes(overrides)
+        payload[name] = {"overrides": overrides, "reference": reference_name, "losses": losses[name],
+                         "max_abs_loss_diff": worst, "device_optimizer_state_bytes": state_bytes,
+                         "device_parameter_gradient_bytes": weight_bytes}  # fmt: skip
         tail, tail_reference = statistics.mean(losses[name][-20:]), statistics.mean(reference[-20:])
         payload[name]["last_20_mean_loss"] = tail
         rows.append([
-            name, " ".join(overrides) or "-", f"{worst:.2e}", f"{worst / reference[0]:.2e}", cell(tail_reference, digits=4),
+            name, " ".join(overrides) or "-", reference_name, f"{worst:.2e}", f"{worst / reference[0]:.2e}", cell(tail_reference, digits=4),
             cell(tail, digits=4), f"{tail / tail_reference - 1:+.2%}", "yes" if losses[name] == reference else "no",
-            f"{state_bytes:,}",
+            f"{state_bytes:,}", f"{weight_bytes:,}",
         ])  # fmt: skip
     # bf16 moments: 60 steps and a checkpoint, then resumed to 120, against the uninterrupted curve.
     resume_dir = work / "bf16_resume"
     checkpoint = ["checkpoint.enabled=true", f"checkpoint.dir={resume_dir / 'ckpt'}", "checkpoint.every_n_steps=60",
                   "checkpoint.resume=auto"]  # fmt: skip
-    bf16 = [*COMMON, *POLICIES["bf16 moments"], *checkpoint]
+    bf16 = [*COMMON, *POLICIES["bf16 moments"][0], *checkpoint]
     first = launch_train(overrides=[*bf16, "train.fail_after_step=60"], run_dir=resume_dir)
     resumed = launch_train(overrides=bf16, run_dir=resume_dir)
     if not resumed.ok:
@@ -87,8 +106,9 @@ def main() -> None:
     resumed_losses = [record["loss"] for record in resumed.records]
     bitwise = resumed_losses == losses["bf16 moments"]
     payload["bf16_resume"] = {"first_launch_exit": first.returncode, "losses": resumed_losses, "bitwise": bitwise}
-    headers = ["policy", "overrides", "max abs loss diff", "/ first loss", "last-20 mean fp32", "last-20 mean",
-               "difference", "bitwise fp32", "device optimizer-state bytes per rank (dry run)"]  # fmt: skip
+    headers = ["policy", "overrides", "compared with", "max abs loss diff", "/ first loss", "last-20 mean there",
+               "last-20 mean", "difference", "bitwise there", "device optimizer-state bytes per rank (dry run)",
+               "device parameter + gradient bytes per rank (dry run)"]  # fmt: skip
     table = markdown_table(headers=headers, rows=rows)
     summary = (
         f"{table}\n\nbf16 moments stopped after step 60 (DCP checkpoint) and resumed to step {STEPS}: the curve "

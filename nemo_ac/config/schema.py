@@ -430,6 +430,13 @@ class TrainConfig:
     # trainable parameter) or bfloat16 (4 bytes; each update still computes in fp32 on the fp32 masters, and the
     # moments are written back with stochastic rounding, trainer/adamw_bf16.py; DCP resume stays bitwise).
     optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    # The dtype of the trainable parameters FSDP shards and the optimizer updates (the master weights), and so of
+    # their gradients: float32 (4 + 4 bytes per parameter) or bfloat16 (2 + 2; NeMo Automodel's benchmarks train so).
+    # With bfloat16 the built-in AdamW computes each update in fp32 and writes the parameter back with stochastic
+    # rounding (trainer/adamw_bf16.py): plain AdamW on bf16 weights loses every step smaller than half a bf16 step.
+    # Modules the model keeps in fp32 (the router with model.moe.router_dtype=float32) keep fp32 masters. Needs
+    # parallel.fsdp.param_dtype=bfloat16 and the built-in AdamW.
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
     # The LM head and the cross entropy over this many tokens at a time (models/kernels/chunked_cross_entropy.py):
     # no [tokens, vocab] logits in forward or backward, one extra LM-head matmul per token (backward recomputes each
     # chunk). 0 computes the whole micro batch's logits at once.

@@ -38,6 +38,39 @@ from nemo_ac.config.schema import RecipeConfig
 Rule = Callable[[RecipeConfig, int], list[ConfigIssue]]
 
 
+def _bf16_master_issues(recipe: RecipeConfig) -> list[ConfigIssue]:
+    """``train.master_dtype: bfloat16`` needs an update that rounds stochastically (the built-in AdamW, on the
+    device or with every shard on the host) and bf16 compute (FSDP would otherwise gather the bf16 masters into a
+    wider dtype: no precision gained, the memory the masters saved spent on every gathered block)."""
+    t, issues = recipe.train, []
+    if t.optimizer is not None:
+        issues.append(
+            ConfigIssue(
+                "train.master_dtype",
+                f"bfloat16 masters need the built-in AdamW's stochastically rounded update; train.optimizer "
+                f"({t.optimizer.get('_target_')}) would round each update to nearest and lose every step below half a "
+                "bf16 step. Remove train.optimizer or set train.master_dtype=float32",
+            )
+        )
+    if t.optimizer_offload == "states":
+        issues.append(
+            ConfigIssue(
+                "train.master_dtype",
+                "bfloat16 masters are not updated by train.optimizer_offload=states (that optimizer writes fp32 "
+                "parameters); choose train.optimizer_offload=none or full, or train.master_dtype=float32",
+            )
+        )
+    if recipe.parallel.fsdp.param_dtype != "bfloat16":
+        issues.append(
+            ConfigIssue(
+                "train.master_dtype",
+                f"bfloat16 masters are computed in parallel.fsdp.param_dtype={recipe.parallel.fsdp.param_dtype}: "
+                "set parallel.fsdp.param_dtype=bfloat16, or train.master_dtype=float32",
+            )
+        )
+    return issues
+
+
 def check_training(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
     t = recipe.train
     issues = []
@@ -85,6 +118,8 @@ def check_training(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
                 "full (full steps the bf16 moments on the host)",
             )
         )
+    if t.master_dtype == "bfloat16":
+        issues.extend(_bf16_master_issues(recipe))
     if t.loss_chunk_tokens < 0:
         issues.append(
             ConfigIssue(

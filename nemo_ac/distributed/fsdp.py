@@ -48,6 +48,26 @@ def _shard_placement_for_experts(mesh: DeviceMesh):
     return placement
 
 
+def cast_masters(model: nn.Module, dtype: torch.dtype) -> int:
+    """Casts the model's floating parameters (on meta, before ``fully_shard``) to ``dtype``, the dtype FSDP then
+    shards, the optimizer updates and the gradients are reduced into (``train.master_dtype``). Parameters of a module
+    that says ``keep_fp32`` (an fp32 router: its own unit computes in fp32) keep their dtype; buffers (RoPE tables,
+    router correction biases) are left alone; a parameter shared by two modules (tied embeddings) stays one.
+    Returns how many parameters were cast."""
+    kept = {
+        id(param) for module in model.modules() if getattr(module, "keep_fp32", False) for param in module.parameters()
+    }
+    cast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or id(param) in kept or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in cast:
+                cast[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+            module._parameters[name] = cast[id(param)]
+    return len(cast)
+
+
 def apply_fsdp(
     model: nn.Module, *, plan: ParallelPlan, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh
 ) -> list[FSDPModule]:
@@ -60,6 +80,8 @@ def apply_fsdp(
     mesh, the experts on the expert mesh).
     """
     fsdp = plan.fsdp
+    if fsdp.master_dtype != "float32":
+        cast_masters(model, torch_dtype(fsdp.master_dtype))
     # train.optimizer_offload: full. Every unit, the root included: a unit left on the device would keep its fp32
     # shard, gradient and states there, and the optimizer would step tensors on two devices.
     offload: OffloadPolicy = (

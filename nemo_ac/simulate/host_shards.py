@@ -94,14 +94,14 @@ def add_host_shard_costs(
 
 
 def staging_bytes(units: list[UnitShard]) -> HandAdded:
-    """The device copies a step stages host shards through at once: two units' fp32 shards (the unit computing and
+    """The device copies a step stages host shards through at once: two units' shards (the unit computing and
     the one prefetched) and one unit's reduced gradient waiting for its copy to the host; the largest unit's."""
     largest = max((unit.bytes for unit in units), default=0)
     largest_grad = max((unit.trainable_bytes for unit in units), default=0)
     return HandAdded(
         "host shard staging",
         2 * largest + largest_grad,
-        "FSDP2 CPUOffloadPolicy: device copies of two units' fp32 shards and one reduced gradient (largest unit)",
+        "FSDP2 CPUOffloadPolicy: device copies of two units' shards and one reduced gradient (largest unit)",
     )
 
 
@@ -109,7 +109,7 @@ def describe(units: list[UnitShard], *, reductions: int) -> str:
     """The assumption line the report prints."""
     total = sum(unit.bytes for unit in units)
     return (
-        f"optimizer_offload full: {total / 2**30:.2f} GiB of fp32 shards per rank on the host, copied to the device "
+        f"optimizer_offload full: {total / 2**30:.2f} GiB of parameter shards per rank on the host, copied to the device "
         f"at each unshard and each gradient back ({reductions} reduce-scatter(s) per step, later ones waited for and "
         "added on the CPU); the update on the host at the node's DRAM bandwidth shared by its ranks"
     )

@@ -219,10 +219,15 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
             ),
         )
         model, meshes, optimizer, applied = setup.model, setup.meshes, setup.optimizer, setup.plan
-        if sim_recipe.train.optimizer is None and sim_recipe.train.optimizer_state_dtype == "bfloat16":
+        train = sim_recipe.train
+        if train.optimizer is None and "bfloat16" in (train.optimizer_state_dtype, train.master_dtype):
+            stored = " and ".join(
+                what for what, dtype in (("moments", train.optimizer_state_dtype), ("parameters", train.master_dtype))
+                if dtype == "bfloat16"
+            )  # fmt: skip
             assumptions.append(
-                "built-in AdamW with bf16 moments (stochastic rounding), one parameter at a time: fp32 temporaries "
-                "of one parameter's moments at the step"
+                f"built-in AdamW with bf16 {stored} (stochastic rounding), one parameter at a time: fp32 temporaries "
+                "of one parameter's state at the step"
             )
         elif sim_recipe.train.optimizer is None:
             assumptions.append(

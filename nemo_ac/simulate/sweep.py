@@ -77,6 +77,8 @@ def _with(recipe: RecipeConfig, **changes: object) -> RecipeConfig:
     if "state_dtype" in changes:
         train = dataclasses.replace(out.train, optimizer_state_dtype=changes["state_dtype"])
         out = dataclasses.replace(out, train=train)
+    if "master_dtype" in changes:
+        out = dataclasses.replace(out, train=dataclasses.replace(out.train, master_dtype=changes["master_dtype"]))
     return out
 
 
@@ -94,6 +96,7 @@ SEARCHED_KEYS = (
     "train.micro_batch_size",
     "train.optimizer_offload",
     "train.optimizer_state_dtype",
+    "train.master_dtype",
     "train.loss_chunk_tokens",
 )
 
@@ -168,14 +171,19 @@ def neighbours(
     # built-in AdamW with fp32 moments), the moments' other dtype (built-in AdamW; bf16 leaves the states offload),
     # the loss chunked or not.
     built_in, bf16_moments = recipe.train.optimizer is None, recipe.train.optimizer_state_dtype == "bfloat16"
+    fp32_only = built_in and not bf16_moments and recipe.train.master_dtype == "float32"
     for other in ("none", "states", "full"):
-        if other != recipe.train.optimizer_offload and (other != "states" or (built_in and not bf16_moments)):
+        if other != recipe.train.optimizer_offload and (other != "states" or fp32_only):
             add(f"optimizer_offload {other}", offload=other)
     if built_in:
         dtype = "float32" if bf16_moments else "bfloat16"
         leave_states = {"offload": "none"} if dtype == "bfloat16" and recipe.train.optimizer_offload == "states" else {}
         add(f"optimizer_state_dtype {dtype}" + (" (offload none)" if leave_states else ""), state_dtype=dtype,
             **leave_states)  # fmt: skip
+    # bf16 masters where they can run (the built-in AdamW, bf16 compute, no states-only offload), or back to fp32.
+    if built_in and recipe.parallel.fsdp.param_dtype == "bfloat16" and recipe.train.optimizer_offload != "states":
+        master = "float32" if recipe.train.master_dtype == "bfloat16" else "bfloat16"
+        add(f"master_dtype {master}", master_dtype=master)
     chunk = 0 if recipe.train.loss_chunk_tokens else 1024
     add(f"loss_chunk_tokens {chunk}", chunk=chunk)
     if search:

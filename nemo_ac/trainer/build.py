@@ -111,6 +111,7 @@ def decide_recipe_plan(
         device_type=device_type,
         torch_version=torch_version,
         optimizer_offload=recipe.train.optimizer_offload,
+        master_dtype=recipe.train.master_dtype,
     )
 
 

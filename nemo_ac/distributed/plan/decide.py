@@ -280,13 +280,15 @@ def decide_plan(
     device_type: str = "cpu",
     torch_version: str | None = None,
     optimizer_offload: str = "none",
+    master_dtype: str = "float32",
 ) -> ParallelPlan:
     """The plan for ``model`` (on the meta device, nothing applied yet); ``ConfigError`` for a layout that cannot
     work, listing every rule broken.
 
     A section left out is its schema default (``model_config``: the model's own ``config``; ``data``: whether rows
     vary in length, for the compiled blocks' dynamic token dims); ``ep`` / ``cp`` are the mesh sizes;
-    ``optimizer_offload``: ``train.optimizer_offload`` (``full`` puts FSDP's shards on the host); ``kernels``: the
+    ``optimizer_offload``: ``train.optimizer_offload`` (``full`` puts FSDP's shards on the host); ``master_dtype``:
+    ``train.master_dtype`` (the dtype FSDP shards the trainable parameters in); ``kernels``: the
     run's ``KernelPlan`` (the one the model was built with); left out, resolved here from ``backend`` for
     ``device_type``. ``torch_version`` decides the workaround gates as if that torch ran.
     """
@@ -326,7 +328,9 @@ def decide_plan(
         cp_type=parallel.cp_type,
         kernels=kernels,
         selective=selective_plan(ac),
-        fsdp=fsdp_plan(parallel, optimizer_offload=optimizer_offload, device_type=device_type),
+        fsdp=fsdp_plan(
+            parallel, optimizer_offload=optimizer_offload, device_type=device_type, master_dtype=master_dtype
+        ),
         compile=compile_plan(compile, data=data),
         offload_in_flight=ac.offload_in_flight if any(block.offload for block in blocks) else 0,
         workarounds=run_workarounds(
@@ -396,9 +400,16 @@ def selective_plan(ac: ActivationCheckpointingConfig) -> SelectiveACPlan:
     )
 
 
-def fsdp_plan(parallel: ParallelConfig, *, optimizer_offload: str = "none", device_type: str = "cpu") -> FSDPPlan:
+def fsdp_plan(
+    parallel: ParallelConfig,
+    *,
+    optimizer_offload: str = "none",
+    device_type: str = "cpu",
+    master_dtype: str = "float32",
+) -> FSDPPlan:
     """``optimizer_offload: full`` puts every unit's shards on the host; pinned where a CUDA device copies them
-    (pinning needs CUDA: on a CPU run the host is the device and the copies are no-ops)."""
+    (pinning needs CUDA: on a CPU run the host is the device and the copies are no-ops). ``master_dtype``: the dtype
+    the sharded trainable parameters are kept in (``train.master_dtype``)."""
     fsdp = parallel.fsdp
     on_host = optimizer_offload == "full"
     return FSDPPlan(
@@ -409,6 +420,7 @@ def fsdp_plan(parallel: ParallelConfig, *, optimizer_offload: str = "none", devi
         backward_prefetch=fsdp.backward_prefetch,
         parameters_on_host=on_host,
         pin_host_memory=on_host and device_type == "cuda",
+        master_dtype=master_dtype,
     )
 
 

@@ -117,12 +117,16 @@ class FSDPPlan:
     # optimizer step on the host), the host memory pinned where a CUDA device copies from it.
     parameters_on_host: bool = False
     pin_host_memory: bool = False
+    # train.master_dtype: the dtype the trainable parameters are sharded (and their gradients kept) in; modules the
+    # model keeps in fp32 (``keep_fp32``: an fp32 router) stay fp32.
+    master_dtype: str = "float32"
 
     def describe(self) -> str:
         where = " | sharded parameters + gradients + optimizer on host" if self.parameters_on_host else ""
+        masters = f" | {self.master_dtype} masters" if self.master_dtype != "float32" else ""
         return (
             f"fsdp {self.param_dtype}/{self.reduce_dtype} prefetch fwd {self.forward_prefetch} "
-            f"bwd {self.backward_prefetch}{where}"
+            f"bwd {self.backward_prefetch}{where}{masters}"
         )
 
 

@@ -368,6 +368,34 @@ ROWS = [
     ),
     row(
         "check_training",
+        [
+            "train.master_dtype=bfloat16",
+            "parallel.fsdp.param_dtype=bfloat16",
+            "+train.optimizer._target_=torch.optim.SGD",
+        ],
+        "train.master_dtype",
+        r"bfloat16 masters need the built-in AdamW's stochastically rounded update; train.optimizer \(torch.optim.SGD\) "
+        r"would round each update to nearest .* Remove train.optimizer or set train.master_dtype=float32",
+        id="master_dtype_custom_optimizer",
+    ),
+    row(
+        "check_training",
+        ["train.master_dtype=bfloat16", "parallel.fsdp.param_dtype=bfloat16", "train.optimizer_offload=states"],
+        "train.master_dtype",
+        r"bfloat16 masters are not updated by train.optimizer_offload=states .*; choose train.optimizer_offload=none "
+        r"or full, or train.master_dtype=float32",
+        id="master_dtype_host_states",
+    ),
+    row(
+        "check_training",
+        ["train.master_dtype=bfloat16", "parallel.fsdp.param_dtype=float32"],
+        "train.master_dtype",
+        r"bfloat16 masters are computed in parallel.fsdp.param_dtype=float32: set parallel.fsdp.param_dtype=bfloat16, "
+        r"or train.master_dtype=float32",
+        id="master_dtype_fp32_compute",
+    ),
+    row(
+        "check_training",
         ["train.loss_chunk_tokens=-1"],
         "train.loss_chunk_tokens",
         r"must be >= 0 \(0: the whole micro batch's logits at once; 1024 is a good size\), got -1",
