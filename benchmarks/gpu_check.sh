@@ -12,7 +12,8 @@
 # 3. the CUDA-only kernels that are installed (Transformer Engine, DeepEP) are named, and absent ones said so;
 # 4. the packed-attention kernels on CUDA: FlexAttention (compiled, fwd + bwd) and the tiled op against SDPA;
 # 5. the mixer kernels (fla, mamba-ssm) against the torch ops (tests/unit/models/kernels/test_mixer_kernels_cuda.py; skips say why),
-#    AdamW with its states in pinned host memory against fused AdamW on the device (bitwise), and activation offload
+#    AdamW with its states in pinned host memory against fused AdamW on the device (bitwise), the bf16 AdamW update
+#    as one Triton kernel against the eager CPU update (one graph, the same rounding noise), and activation offload
 #    (pinned copies, the blocks-in-flight bound, the prefetch in backward) against no offload (bitwise);
 #    and, where installed, the tiny Qwen3.6 / Nemotron recipes trained on them (steps 1 keep the torch ops);
 # 6. nemo-ac plan against a measured step on this GPU: a mid-size MoE (2.6B parameters, 4k rows, bf16) measured by
@@ -134,6 +135,8 @@ step_bg mixer_kernels_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/
 step_bg offload_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/distributed/test_offload.py -k cuda
 step_bg host_optimizer_states_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider \
   tests/unit/trainer/test_host_optimizer_states.py -k cuda
+step_bg adamw_bf16_fused_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider \
+  tests/unit/trainer/test_adamw_bf16_update.py -k cuda
 if installed fla; then  # fla's Triton dots want head dims >= 16
   step_bg tiny_qwen3_6_fla 200 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.train \
     recipes/tiny/qwen3_6_medpix_tiny.yaml "${KERNELS[@]}" backend.linear_attention=fla parallel.ep=1 parallel.cp=1 \

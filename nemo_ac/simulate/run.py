@@ -225,10 +225,12 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
                 what for what, dtype in (("moments", train.optimizer_state_dtype), ("parameters", train.master_dtype))
                 if dtype == "bfloat16"
             )  # fmt: skip
-            assumptions.append(
-                f"built-in AdamW with bf16 {stored} (stochastic rounding), one parameter at a time: fp32 temporaries "
-                "of one parameter's state at the step"
+            how = (
+                "fused: one compiled kernel per parameter (torch.compile), no temporaries at the step"
+                if adamw_implementation(device_type) == "fused"
+                else "one parameter at a time, eagerly: fp32 temporaries of one parameter's state at the step"
             )
+            assumptions.append(f"built-in AdamW with bf16 {stored} (stochastic rounding), {how}")
         elif sim_recipe.train.optimizer is None:
             assumptions.append(
                 f"built-in AdamW {adamw_implementation(device_type)}, the kernel it runs on {device_type} "

@@ -15,13 +15,14 @@ AdamW on bf16 weights would leave them where they are, every step (tests/unit/tr
 Why not torchao: its ``AdamW(bf16_stochastic_round=True)`` rounds bf16 *parameters* but keeps the states in the
 parameter's dtype with no fp32-master / bf16-moment combination, and its low-bit optimizers (``AdamW8bit``,
 ``AdamWFp8``) quantize block-wise and compile each parameter's update with ``torch.compile``. What is written by hand
-here is only the rounding (the bit trick torchao uses too) and AdamW's update, line for line torch's single-tensor
-AdamW: with fp32 moments and fp32 parameters the class is bitwise ``torch.optim.AdamW(foreach=False)``.
+is only the rounding (the bit trick torchao uses too) and AdamW's update (``adamw_bf16_update``): with fp32 moments
+and fp32 parameters the class is bitwise ``torch.optim.AdamW(foreach=False)``, torch's update line for line.
 
-The rounding noise is drawn from a generator seeded by (``seed``, the parameter's index, its step): the moments'
-noise first, then the parameter's, so a resumed run draws the same noise as an uninterrupted one and DCP resume is
-bitwise, with nothing beyond AdamW's own state saved. The state keys, shapes and placements are torch's AdamW's (a
-DTensor parameter gets DTensor moments), so DCP saves and loads them as it does torch's.
+``fused`` (the built-in AdamW on CUDA): each update is one compiled kernel (``adamw_bf16_update``), where the eager
+update makes about twenty passes over memory. The rounding noise is a hash of (``seed``, the parameter's index, its
+step) and the element's index, the same numbers eager or compiled: a resumed run draws what the uninterrupted one
+drew, and DCP resume is bitwise with nothing beyond AdamW's own state saved. The state keys, shapes and placements
+are torch's AdamW's (a DTensor parameter gets DTensor moments), so DCP saves and loads them as it does torch's.
 """
 
 from __future__ import annotations
@@ -32,22 +33,17 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from nemo_ac.trainer.adamw_bf16_update import adamw_update, fused_adamw_update_, update_key
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
-_LOW_BITS = 1 << 16  # the fp32 mantissa bits bf16 drops
-_HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as int32
 
 
-def stochastic_round_to_bf16(value: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
-    """fp32 ``value`` rounded to bf16, up or down with probability by distance (unbiased): a uniform 16-bit integer
-    is added to the low half of each fp32 bit pattern, which is then cut off (exact in bf16). Adding to the bit
-    pattern moves the magnitude whatever the sign, and a carry into the exponent is the correct rounding."""
-    if value.dtype != torch.float32:
-        raise TypeError(f"stochastic_round_to_bf16 takes fp32, got {value.dtype}")
-    noise = torch.randint(
-        0, _LOW_BITS, value.shape, dtype=torch.int32, device=value.device, generator=generator
-    )  # fmt: skip
-    bits = value.contiguous().view(torch.int32)
-    return ((bits + noise) & _HIGH_MASK).view(torch.float32).to(torch.bfloat16)
+def _flat_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor over a contiguous ``tensor``'s elements that is not a view of it: dynamo guards on a view's base,
+    so ``view(-1)`` of a [E, I, H] expert weight and of a [H] norm would compile twice ("tuple index out of range"
+    on the base's sizes) where one flat graph serves every parameter."""
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),), (1,))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,12 +65,14 @@ class AdamWBF16(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         state_dtype: torch.dtype = torch.bfloat16,
         seed: int = 0,
+        fused: bool = False,
     ) -> None:
         if state_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"AdamWBF16 keeps its moments in bfloat16 or float32, not {state_dtype}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.state_dtype = state_dtype
         self.seed = seed
+        self.fused = fused
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -122,24 +120,24 @@ class AdamWBF16(torch.optim.Optimizer):
         if stored.dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"AdamWBF16 updates fp32 or bf16 parameters, got {stored.dtype}")
         exp_avg, exp_avg_sq = (_local(state[name]) for name in MOMENTS)
-        # torch's single-tensor AdamW, line for line, on fp32 copies of whatever is stored in bf16.
-        value = stored.float() if stored.dtype != torch.float32 else stored
-        grad = grad.float() if grad.dtype != torch.float32 else grad
-        first = exp_avg.float() if self.state_dtype != torch.float32 else exp_avg
-        second = exp_avg_sq.float() if self.state_dtype != torch.float32 else exp_avg_sq
-        value.mul_(1 - lr * weight_decay)
-        first.lerp_(grad, 1 - beta1)
-        second.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        denom = (second.sqrt() / bias_correction2**0.5).add_(eps)
-        value.addcdiv_(first, denom, value=-(lr / bias_correction1))
-        if self.state_dtype == torch.float32 and stored.dtype == torch.float32:
+        if stored.dtype == torch.float32 and self.state_dtype == torch.float32:
+            # torch's single-tensor AdamW, line for line: bitwise torch.optim.AdamW(foreach=False).
+            stored.mul_(1 - lr * weight_decay)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+            stored.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**step)))
             return
-        generator = torch.Generator(device=value.device)
-        generator.manual_seed((self.seed * 1_000_003 + index) * 1_000_033 + step)
-        if self.state_dtype != torch.float32:
-            exp_avg.copy_(stochastic_round_to_bf16(first, generator=generator))
-            exp_avg_sq.copy_(stochastic_round_to_bf16(second, generator=generator))
-        if stored.dtype != torch.float32:
-            stored.copy_(stochastic_round_to_bf16(value, generator=generator))
+        # Something is stored in bf16: the update in fp32, written back stochastically rounded (adamw_bf16_update).
+        correction1, correction2 = 1 - beta1**step, 1 - beta2**step
+        scalars = torch.tensor(
+            [1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, correction2**0.5, eps, -lr / correction1],
+            dtype=torch.float32, device=stored.device,
+        )  # fmt: skip
+        key = torch.tensor(update_key(self.seed, index, step), dtype=torch.int64, device=stored.device)
+        tensors = (stored, grad, exp_avg, exp_avg_sq)
+        if self.fused and all(t.is_contiguous() for t in tensors):
+            # One kernel; flat, so every parameter shape is the same graph.
+            fused_adamw_update_(*(_flat_alias(t) for t in tensors), scalars, key)
+        else:
+            adamw_update(*tensors, scalars, key)

@@ -48,13 +48,13 @@ def build_optimizer(
     groups = [group for group in groups if group["params"]]
     if config.optimizer is not None:
         return instantiate(config.optimizer, groups, key="train.optimizer", allow=extensions, lr=config.lr)
+    fused = adamw_implementation(device_type) == "fused"
     if config.optimizer_state_dtype == "bfloat16" or config.master_dtype == "bfloat16":
         return AdamWBF16(
             groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay,
             state_dtype=torch.bfloat16 if config.optimizer_state_dtype == "bfloat16" else torch.float32,
-            seed=config.seed,
+            seed=config.seed, fused=fused,
         )  # fmt: skip
-    fused = adamw_implementation(device_type) == "fused"
     if config.optimizer_offload == "states":
         return AdamWHostStates(groups, host=host, fused=fused, lr=config.lr, betas=tuple(config.betas), eps=config.eps)
     return torch.optim.AdamW(
