@@ -14,7 +14,7 @@ AdamW on bf16 weights would leave them where they are, every step (tests/unit/tr
 
 Why not torchao: its ``AdamW(bf16_stochastic_round=True)`` rounds bf16 *parameters* but keeps the states in the
 parameter's dtype with no fp32-master / bf16-moment combination, and its low-bit optimizers (``AdamW8bit``,
-``AdamWFp8``) quantize block-wise and compile each parameter's update with ``torch.compile``. What is written by hand
+``AdamWFp8``) quantize the states block-wise, another policy. What is written by hand
 is only the rounding (the bit trick torchao uses too) and AdamW's update (``adamw_bf16_update``): with fp32 moments
 and fp32 parameters the class is bitwise ``torch.optim.AdamW(foreach=False)``, torch's update line for line.
 
@@ -137,7 +137,8 @@ class AdamWBF16(torch.optim.Optimizer):
         key = torch.tensor(update_key(self.seed, index, step), dtype=torch.int64, device=stored.device)
         tensors = (stored, grad, exp_avg, exp_avg_sq)
         if self.fused and all(t.is_contiguous() for t in tensors):
-            # One kernel; flat, so every parameter shape is the same graph.
+            # One kernel; flat, so every parameter shape is the same graph. (FSDP's shards, their gradients and the
+            # moments made by zeros_like are contiguous; anything else takes the eager update, the same arithmetic.)
             fused_adamw_update_(*(_flat_alias(t) for t in tensors), scalars, key)
         else:
             adamw_update(*tensors, scalars, key)
