@@ -59,12 +59,12 @@ def cast_masters(model: nn.Module, dtype: torch.dtype) -> int:
     }
     cast: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None or id(param) in kept or not param.is_floating_point() or param.dtype == dtype:
+        for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(param) in kept or not param.is_floating_point() or param.dtype == dtype:
                 continue
             if id(param) not in cast:
                 cast[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-            module._parameters[name] = cast[id(param)]
+            setattr(module, name, cast[id(param)])
     return len(cast)
 
 
