@@ -204,6 +204,10 @@ def neighbours(
         if "selective" in {ac, *recipe.activation_checkpointing.by_block.values()}:
             save = not recipe.activation_checkpointing.selective.save_communication
             add(f"save_communication {str(save).lower()}", save_communication=save)
+            if not save:
+                # Saved dispatch buffers grow with the micro batch: doubling it may fit only with the collectives
+                # recomputed, and recomputing them alone only costs time, so the two go in one move.
+                add(f"mb {mb * 2}, collectives recomputed", mb=mb * 2, save_communication=False)
         # Offloaded activations: one block more on the device overlaps more copies, one fewer frees a block's.
         if recipe.activation_checkpointing.offload:
             in_flight = recipe.activation_checkpointing.offload_in_flight

@@ -116,6 +116,14 @@ def test_the_search_moves_one_block_kinds_ac_mode_and_names_it_in_the_override_l
         "activation_checkpointing.selective.save_communication=false",
         f"{BY_BLOCK}.moe=selective",
     ]
+    # Larger micro batches while the selective blocks stop saving their dispatch buffers: one move too.
+    selective = load_recipe(path, [*full, f"{BY_BLOCK}.moe=selective"])
+    bigger = next(c.recipe for c in neighbours(selective, search=True, block_kinds=kinds)
+                  if c.label == f"mb {selective.train.micro_batch_size * 2}, collectives recomputed")  # fmt: skip
+    assert overrides(selective, bigger) == [
+        "activation_checkpointing.selective.save_communication=false",
+        f"train.micro_batch_size={selective.train.micro_batch_size * 2}",
+    ]
     assert lighter["AC moe none"] == {"moe": "none"}
     assert "AC ssm full" not in lighter
     assert not moves(neighbours(recipe, block_kinds=kinds))  # the sweep keeps its one-key moves
