@@ -422,9 +422,10 @@ class TrainConfig:
     # Where the built-in AdamW keeps its moment states (exp_avg, exp_avg_sq: 8 bytes per trainable parameter)
     # between steps: none = on the device; states = in (pinned) host memory, copied to the device bucket by bucket
     # for the update and back (trainer/host_optimizer_states.py; bitwise the same update, DCP checkpoints unchanged);
-    # full = the fp32 sharded parameters, their gradients and every optimizer state in host memory (FSDP2's
+    # full = the sharded parameters (train.master_dtype), gradients and every optimizer state in host memory (FSDP2's
     # CPUOffloadPolicy: each unit's shard is copied to the device for its all-gather, each reduced gradient back) and
-    # the optimizer step on the host: 16 bytes per parameter leave the device, any train.optimizer works.
+    # the optimizer step on the host: 16 bytes per parameter leave the device (8 with bf16 masters and moments), any
+    # train.optimizer works.
     optimizer_offload: Literal["none", "states", "full"] = "none"
     # The dtype the built-in AdamW stores its two moments in between steps: float32 (torch's AdamW, 8 bytes per
     # trainable parameter) or bfloat16 (4 bytes; each update still computes in fp32 on the fp32 masters, and the
