@@ -4,7 +4,7 @@ Each policy trains the tiny Qwen3 MoE recipe for 120 steps on 2 gloo processes (
 off so the launches stay short), from the same seed on the same rows:
 
 - ``fp32``: the default, torch's AdamW with fp32 moments on the device (the reference);
-- ``bf16 moments``: ``train.optimizer_state_dtype=bfloat16`` (stochastic rounding, trainer/adamw_bf16.py);
+- ``bf16 moments``: ``train.optimizer_state_dtype=bfloat16`` (stochastic rounding, trainer/adamw_low_precision.py);
 - ``host states``: ``train.optimizer_offload=states`` (fp32 moments in host memory, bitwise the reference);
 - ``full offload``: ``train.optimizer_offload=full`` (FSDP2's CPUOffloadPolicy, the step on the host);
 - ``full offload + bf16 moments``: both;

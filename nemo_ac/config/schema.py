@@ -429,12 +429,13 @@ class TrainConfig:
     optimizer_offload: Literal["none", "states", "full"] = "none"
     # The dtype the built-in AdamW stores its two moments in between steps: float32 (torch's AdamW, 8 bytes per
     # trainable parameter) or bfloat16 (4 bytes; each update still computes in fp32 on the fp32 masters, and the
-    # moments are written back with stochastic rounding, trainer/adamw_bf16.py; DCP resume stays bitwise).
+    # moments are written back with stochastic rounding, trainer/adamw_low_precision.py; DCP resume stays bitwise).
     optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
     # The dtype of the trainable parameters FSDP shards and the optimizer updates (the master weights), and so of
     # their gradients: float32 (4 + 4 bytes per parameter) or bfloat16 (2 + 2; NeMo Automodel's benchmarks train so).
     # With bfloat16 the built-in AdamW computes each update in fp32 and writes the parameter back with stochastic
-    # rounding (trainer/adamw_bf16.py): plain AdamW on bf16 weights loses every step smaller than half a bf16 step.
+    # rounding (trainer/adamw_low_precision.py): plain AdamW on bf16 weights loses every step smaller than half a bf16
+    # step.
     # Modules the model keeps in fp32 (the router with model.moe.router_dtype=float32) keep fp32 masters. Needs
     # parallel.fsdp.param_dtype=bfloat16 and the built-in AdamW.
     master_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -33,7 +33,7 @@ ACCURACY_CASES: dict[str, tuple[str, int, tuple[str, ...]]] = {
     # The tiny GLM recipe keeps FSDP's shards on the host (optimizer_offload full); here only AdamW's states.
     "glm_4_5_air_tiny_states": ("tiny/glm_4_5_air_tiny.yaml", 2, ("train.optimizer_offload=states",)),
     "qwen3_moe_tiny_compiled": ("tiny/qwen3_moe_tiny.yaml", 2, ("compile.enabled=true", "compile.backend=aot_eager")),
-    # bf16 masters and moments (train.master_dtype): the shards, gradients and states FSDP and AdamWBF16 hold.
+    # bf16 masters and moments (train.master_dtype): the shards, gradients and states FSDP and AdamWLowPrecision hold.
     "qwen3_moe_tiny_bf16_masters": (
         "tiny/qwen3_moe_tiny.yaml",
         2,

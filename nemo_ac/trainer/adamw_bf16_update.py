@@ -1,7 +1,7 @@
 """One AdamW update of a parameter stored in bf16 (or with bf16 moments), as one kernel where CUDA runs it.
 
-``trainer/adamw_bf16.py``'s eager update makes about twenty passes over memory per parameter (fp32 copies of the
-parameter and both moments, the update, the rounding's noise and bit operations, the copies back): 0.20 s of
+``trainer/adamw_low_precision.py``'s eager update makes about twenty passes over memory per parameter (fp32 copies of
+the parameter and both moments, the update, the rounding's noise and bit operations, the copies back): 0.20 s of
 Qwen3.6-35B-A3B's step on 8 H100s, and on the host (``train.optimizer_offload: full``) the step's largest term. Here
 the same arithmetic is one function of the stored tensors, which ``torch.compile`` (inductor) turns into a single
 fused kernel: it reads the parameter, its gradient and both moments once, computes in fp32 in registers and writes

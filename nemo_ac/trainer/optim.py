@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from nemo_ac.config.schema import TrainConfig
 from nemo_ac.config.targets import instantiate
-from nemo_ac.trainer.adamw_bf16 import AdamWBF16
+from nemo_ac.trainer.adamw_low_precision import AdamWLowPrecision
 from nemo_ac.trainer.host_optimizer_states import AdamWHostStates
 
 
@@ -50,7 +50,7 @@ def build_optimizer(
         return instantiate(config.optimizer, groups, key="train.optimizer", allow=extensions, lr=config.lr)
     fused = adamw_implementation(device_type) == "fused"
     if config.optimizer_state_dtype == "bfloat16" or config.master_dtype == "bfloat16":
-        return AdamWBF16(
+        return AdamWLowPrecision(
             groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay,
             state_dtype=torch.bfloat16 if config.optimizer_state_dtype == "bfloat16" else torch.float32,
             seed=config.seed, fused=fused,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from nemo_ac.trainer.adamw_bf16 import AdamWBF16
 from nemo_ac.trainer.adamw_bf16_update import adamw_update, fused_adamw_update_, rounding_noise, update_key
+from nemo_ac.trainer.adamw_low_precision import AdamWLowPrecision
 
 LENGTHS = (1000, 4096, 777)
 
@@ -75,7 +75,7 @@ def test_one_compiled_graph_serves_every_length_and_step_and_matches_eager(param
 
 
 def test_the_fused_optimizer_runs_one_op_per_parameter_compiled_once_and_steps_as_the_eager_one() -> None:
-    """``AdamWBF16(fused=True)`` (the built-in AdamW on CUDA) over three steps of two parameter shapes: one
+    """``AdamWLowPrecision(fused=True)`` (the built-in AdamW on CUDA) over three steps of two parameter shapes: one
     ``nemo_ac::adamw_bf16_update_`` per parameter and step (no eager elementwise op beside it), one compiled graph
     for both shapes and every step, and the eager optimizer's parameters (up to fma ulps, as above)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -93,8 +93,8 @@ def test_the_fused_optimizer_runs_one_op_per_parameter_compiled_once_and_steps_a
                 ((64, 16), (33,))]  # fmt: skip
 
     fused_params, eager_params = params(), params()
-    fused = AdamWBF16(fused_params, lr=1e-2, fused=True)
-    eager = AdamWBF16(eager_params, lr=1e-2, fused=False)
+    fused = AdamWLowPrecision(fused_params, lr=1e-2, fused=True)
+    eager = AdamWLowPrecision(eager_params, lr=1e-2, fused=False)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     for step in range(3):

@@ -15,8 +15,8 @@ from nemo_ac.config import ConfigError, load_recipe, validate_recipe
 from nemo_ac.simulate.gpus import gpu_spec
 from nemo_ac.simulate.report import PlanReport
 from nemo_ac.simulate.run import SimulationOptions, simulate
-from nemo_ac.trainer.adamw_bf16 import AdamWBF16
 from nemo_ac.trainer.adamw_bf16_update import stochastic_round_to_bf16, update_key
+from nemo_ac.trainer.adamw_low_precision import AdamWLowPrecision
 from tests.factories import optimizer_test_groups, optimizer_test_params, train_optimizer
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -26,7 +26,7 @@ def test_with_fp32_moments_every_update_is_bitwise_torchs_adamw() -> None:
     """The update is torch's single-tensor AdamW line for line: with fp32 moments nothing differs, which leaves
     the bf16 policy's only difference in the rounding of the two stored moments."""
     ours, theirs = optimizer_test_params(), optimizer_test_params()
-    mine = AdamWBF16(optimizer_test_groups(ours), lr=1e-2, betas=(0.9, 0.95), state_dtype=torch.float32)
+    mine = AdamWLowPrecision(optimizer_test_groups(ours), lr=1e-2, betas=(0.9, 0.95), state_dtype=torch.float32)
     torch_adamw = torch.optim.AdamW(optimizer_test_groups(theirs), lr=1e-2, betas=(0.9, 0.95), foreach=False)
     train_optimizer(mine, ours, range(12))
     train_optimizer(torch_adamw, theirs, range(12))
@@ -51,14 +51,14 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_bf16_neighbour() -> None
 def test_bf16_moments_halve_the_state_and_a_round_trip_continues_bitwise() -> None:
     """The noise is seeded by (seed, parameter, step): a resumed optimizer draws what the uninterrupted one drew."""
     straight = optimizer_test_params()
-    optimizer = AdamWBF16(optimizer_test_groups(straight), lr=1e-2, seed=7)
+    optimizer = AdamWLowPrecision(optimizer_test_groups(straight), lr=1e-2, seed=7)
     train_optimizer(optimizer, straight, range(6))
     assert {state["exp_avg"].dtype for state in optimizer.state.values()} == {torch.bfloat16}
     saved_params = [p.detach().clone() for p in straight]
     saved = copy.deepcopy(optimizer.state_dict())
     train_optimizer(optimizer, straight, range(6, 12))
     resumed = [torch.nn.Parameter(p.clone()) for p in saved_params]
-    restored = AdamWBF16(optimizer_test_groups(resumed), lr=1e-2, seed=7)
+    restored = AdamWLowPrecision(optimizer_test_groups(resumed), lr=1e-2, seed=7)
     restored.load_state_dict(saved)
     assert {state["exp_avg_sq"].dtype for state in restored.state.values()} == {torch.bfloat16}  # torch casts to fp32
     train_optimizer(restored, resumed, range(6, 12))
@@ -96,7 +96,7 @@ def test_bf16_parameters_keep_the_updates_plain_adamw_rounds_away() -> None:
 
     fp32 = run(torch.optim.AdamW, torch.nn.Parameter(start.float()))
     plain = run(torch.optim.AdamW, torch.nn.Parameter(start.clone()))
-    rounded = run(AdamWBF16, torch.nn.Parameter(start.clone()))
+    rounded = run(AdamWLowPrecision, torch.nn.Parameter(start.clone()))
     assert fp32.mean().item() == pytest.approx(50 * 1e-5, rel=0.05)  # each update a little under lr
     assert (plain == 0).all()  # round-to-nearest: not one update kept
     # Unbiased: the mean over 50,000 weights within 1% of fp32's (its standard error here is about 0.4%).
@@ -109,14 +109,14 @@ def test_bf16_parameters_with_fp32_moments_round_trip_bitwise() -> None:
     come back rounded to bf16 and the resumed run would part from the uninterrupted one. They come back as saved."""
     values = [p.detach() for p in optimizer_test_params()]
     straight = _bf16_params(values)
-    optimizer = AdamWBF16(optimizer_test_groups(straight), lr=1e-2, state_dtype=torch.float32, seed=7)
+    optimizer = AdamWLowPrecision(optimizer_test_groups(straight), lr=1e-2, state_dtype=torch.float32, seed=7)
     _step_bf16(optimizer, straight, range(6))
     assert {state["exp_avg"].dtype for state in optimizer.state.values()} == {torch.float32}
     saved_params = [p.detach().clone() for p in straight]
     saved = copy.deepcopy(optimizer.state_dict())
     _step_bf16(optimizer, straight, range(6, 12))
     resumed = [torch.nn.Parameter(p.clone()) for p in saved_params]
-    restored = AdamWBF16(optimizer_test_groups(resumed), lr=1e-2, state_dtype=torch.float32, seed=7)
+    restored = AdamWLowPrecision(optimizer_test_groups(resumed), lr=1e-2, state_dtype=torch.float32, seed=7)
     restored.load_state_dict(saved)
     assert {state["exp_avg_sq"].dtype for state in restored.state.values()} == {torch.float32}
     _step_bf16(restored, resumed, range(6, 12))
@@ -138,7 +138,7 @@ def test_a_small_model_trains_as_with_fp32_moments_over_150_steps() -> None:
     def run(state_dtype: torch.dtype) -> list[float]:
         torch.manual_seed(1)
         model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-        optimizer = AdamWBF16(model.parameters(), lr=1e-2, betas=(0.9, 0.95), state_dtype=state_dtype)
+        optimizer = AdamWLowPrecision(model.parameters(), lr=1e-2, betas=(0.9, 0.95), state_dtype=state_dtype)
         losses = []
         for _ in range(150):
             loss = torch.nn.functional.mse_loss(model(inputs), targets)
@@ -169,7 +169,7 @@ def test_a_small_model_with_bf16_weights_trains_as_with_fp32_weights_over_150_st
         generator = torch.Generator().manual_seed(1)
         shapes = [(64, 16), (64,), (1, 64), (1,)]
         params = [torch.nn.Parameter((torch.randn(s, generator=generator) * 0.3).to(master)) for s in shapes]
-        optimizer = AdamWBF16(params, lr=1e-2, betas=(0.9, 0.95), state_dtype=state_dtype)
+        optimizer = AdamWLowPrecision(params, lr=1e-2, betas=(0.9, 0.95), state_dtype=state_dtype)
         losses = []
         for _ in range(150):
             w1, b1, w2, b2 = (param.float() for param in params)

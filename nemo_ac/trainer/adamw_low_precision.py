@@ -10,7 +10,7 @@ rounds stochastically: up with probability equal to the distance to the lower bf
 is the fp32 one in expectation. Round-to-nearest would drop every change smaller than half a bf16 step, 2^-9 of the
 value: ``exp_avg_sq`` gains ``(1 - beta2) g^2`` per step, and a weight moves by about ``lr`` per step; at a
 fine-tuning learning rate (1e-5) against weights of 0.02 that is 2^-11 of the weight, below half a step, so plain
-AdamW on bf16 weights would leave them where they are, every step (tests/unit/trainer/test_adamw_bf16.py).
+AdamW on bf16 weights would leave them where they are, every step (tests/unit/trainer/test_adamw_low_precision.py).
 
 Why not torchao: its ``AdamW(bf16_stochastic_round=True)`` rounds bf16 *parameters* but keeps the states in the
 parameter's dtype with no fp32-master / bf16-moment combination, and its low-bit optimizers (``AdamW8bit``,
@@ -50,7 +50,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-class AdamWBF16(torch.optim.Optimizer):
+class AdamWLowPrecision(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, torch's bias correction; no amsgrad) with ``exp_avg`` / ``exp_avg_sq`` in
     ``state_dtype`` (bf16: stochastically rounded on every write; fp32: exactly torch's AdamW). A bf16 parameter is
     updated in fp32 and written back stochastically rounded; an fp32 one (a router kept in fp32) in place."""
@@ -68,7 +68,7 @@ class AdamWBF16(torch.optim.Optimizer):
         fused: bool = False,
     ) -> None:
         if state_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"AdamWBF16 keeps its moments in bfloat16 or float32, not {state_dtype}")
+            raise ValueError(f"AdamWLowPrecision keeps its moments in bfloat16 or float32, not {state_dtype}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.state_dtype = state_dtype
         self.seed = seed
@@ -118,7 +118,7 @@ class AdamWBF16(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         stored, grad = _local(param), _local(param.grad)
         if stored.dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"AdamWBF16 updates fp32 or bf16 parameters, got {stored.dtype}")
+            raise TypeError(f"AdamWLowPrecision updates fp32 or bf16 parameters, got {stored.dtype}")
         exp_avg, exp_avg_sq = (_local(state[name]) for name in MOMENTS)
         if stored.dtype == torch.float32 and self.state_dtype == torch.float32:
             # torch's single-tensor AdamW, line for line: bitwise torch.optim.AdamW(foreach=False).
