@@ -135,8 +135,8 @@ step_bg mixer_kernels_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/
 step_bg offload_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/distributed/test_offload.py -k cuda
 step_bg host_optimizer_states_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider \
   tests/unit/trainer/test_host_optimizer_states.py -k cuda
-step_bg adamw_bf16_fused_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider \
-  tests/unit/trainer/test_adamw_bf16_update.py -k cuda
+step_bg adamw_low_precision_fused_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider \
+  tests/unit/trainer/test_adamw_bf16_update.py tests/unit/trainer/test_adamw_fp8_states.py -k cuda
 if installed fla; then  # fla's Triton dots want head dims >= 16
   step_bg tiny_qwen3_6_fla 200 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.train \
     recipes/tiny/qwen3_6_medpix_tiny.yaml "${KERNELS[@]}" backend.linear_attention=fla parallel.ep=1 parallel.cp=1 \

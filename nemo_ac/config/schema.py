@@ -428,9 +428,11 @@ class TrainConfig:
     # train.optimizer works.
     optimizer_offload: Literal["none", "states", "full"] = "none"
     # The dtype the built-in AdamW stores its two moments in between steps: float32 (torch's AdamW, 8 bytes per
-    # trainable parameter) or bfloat16 (4 bytes; each update still computes in fp32 on the fp32 masters, and the
-    # moments are written back with stochastic rounding, trainer/adamw_low_precision.py; DCP resume stays bitwise).
-    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    # trainable parameter), bfloat16 (4 bytes; each update still computes in fp32, and the moments are written back
+    # with stochastic rounding, trainer/adamw_low_precision.py) or float8 (2.06 bytes: e4m3 codes with an fp32 scale
+    # per 128 elements of a row, exp_avg_sq kept as its square root, stochastically rounded,
+    # trainer/adamw_fp8_states.py; one-dim parameters keep fp32 moments). DCP resume stays bitwise.
+    optimizer_state_dtype: Literal["float32", "bfloat16", "float8"] = "float32"
     # The dtype of the trainable parameters FSDP shards and the optimizer updates (the master weights), and so of
     # their gradients: float32 (4 + 4 bytes per parameter) or bfloat16 (2 + 2; NeMo Automodel's benchmarks train so).
     # With bfloat16 the built-in AdamW computes each update in fp32 and writes the parameter back with stochastic

@@ -101,21 +101,21 @@ def check_training(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
                 "train.optimizer_offload=full (any optimizer steps the host shards) or none",
             )
         )
-    if t.optimizer_state_dtype == "bfloat16" and t.optimizer is not None:
+    if t.optimizer_state_dtype != "float32" and t.optimizer is not None:
         issues.append(
             ConfigIssue(
                 "train.optimizer_state_dtype",
-                f"bfloat16 stores the built-in AdamW's moments and cannot change train.optimizer's "
+                f"{t.optimizer_state_dtype} stores the built-in AdamW's moments and cannot change train.optimizer's "
                 f"({t.optimizer.get('_target_')}); remove train.optimizer or set train.optimizer_state_dtype=float32",
             )
         )
-    if t.optimizer_state_dtype == "bfloat16" and t.optimizer_offload == "states":
+    if t.optimizer_state_dtype != "float32" and t.optimizer_offload == "states":
         issues.append(
             ConfigIssue(
                 "train.optimizer_state_dtype",
-                "bfloat16 moments are not kept on the host by train.optimizer_offload=states (that optimizer stores "
-                "fp32 moments); choose one: train.optimizer_state_dtype=float32, or train.optimizer_offload=none or "
-                "full (full steps the bf16 moments on the host)",
+                f"{t.optimizer_state_dtype} moments are not kept on the host by train.optimizer_offload=states (that "
+                "optimizer stores fp32 moments); choose one: train.optimizer_state_dtype=float32, or "
+                f"train.optimizer_offload=none or full (full steps the {t.optimizer_state_dtype} moments on the host)",
             )
         )
     if t.master_dtype == "bfloat16":

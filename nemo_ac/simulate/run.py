@@ -220,17 +220,19 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         )
         model, meshes, optimizer, applied = setup.model, setup.meshes, setup.optimizer, setup.plan
         train = sim_recipe.train
-        if train.optimizer is None and "bfloat16" in (train.optimizer_state_dtype, train.master_dtype):
+        if train.optimizer is None and (train.optimizer_state_dtype != "float32" or train.master_dtype == "bfloat16"):
             stored = " and ".join(
-                what for what, dtype in (("moments", train.optimizer_state_dtype), ("parameters", train.master_dtype))
-                if dtype == "bfloat16"
-            )  # fmt: skip
+                f"{dtype} {what}"
+                for what, dtype in (("moments", train.optimizer_state_dtype), ("parameters", train.master_dtype))
+                if dtype != "float32"
+            )
             how = (
                 "fused: one compiled kernel per parameter (torch.compile), no temporaries at the step"
                 if adamw_implementation(device_type) == "fused"
                 else "one parameter at a time, eagerly: fp32 temporaries of one parameter's state at the step"
             )
-            assumptions.append(f"built-in AdamW with bf16 {stored} (stochastic rounding), {how}")
+            codes = " (e4m3 codes, an fp32 scale per 128 elements of a row)" if "float8" in stored else ""
+            assumptions.append(f"built-in AdamW with {stored}{codes} (stochastic rounding), {how}")
         elif sim_recipe.train.optimizer is None:
             assumptions.append(
                 f"built-in AdamW {adamw_implementation(device_type)}, the kernel it runs on {device_type} "

@@ -16,6 +16,9 @@ from nemo_ac.config.targets import instantiate
 from nemo_ac.trainer.adamw_low_precision import AdamWLowPrecision
 from nemo_ac.trainer.host_optimizer_states import AdamWHostStates
 
+# train.optimizer_state_dtype -> the dtype AdamWLowPrecision keeps the moments in (float8: block-wise e4m3).
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.float8_e4m3fn}
+
 
 def adamw_implementation(device_type: str) -> Literal["fused", "foreach"]:
     """The built-in AdamW's kernel on ``device_type``: fused on CUDA, foreach elsewhere.
@@ -49,10 +52,10 @@ def build_optimizer(
     if config.optimizer is not None:
         return instantiate(config.optimizer, groups, key="train.optimizer", allow=extensions, lr=config.lr)
     fused = adamw_implementation(device_type) == "fused"
-    if config.optimizer_state_dtype == "bfloat16" or config.master_dtype == "bfloat16":
+    if config.optimizer_state_dtype != "float32" or config.master_dtype == "bfloat16":
         return AdamWLowPrecision(
             groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay,
-            state_dtype=torch.bfloat16 if config.optimizer_state_dtype == "bfloat16" else torch.float32,
+            state_dtype=STATE_DTYPES[config.optimizer_state_dtype],
             seed=config.seed, fused=fused,
         )  # fmt: skip
     if config.optimizer_offload == "states":

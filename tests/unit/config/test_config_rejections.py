@@ -396,6 +396,22 @@ ROWS = [
     ),
     row(
         "check_training",
+        ["train.optimizer_state_dtype=float8", "+train.optimizer._target_=torch.optim.SGD"],
+        "train.optimizer_state_dtype",
+        r"float8 stores the built-in AdamW's moments and cannot change train.optimizer's \(torch.optim.SGD\); remove "
+        r"train.optimizer or set train.optimizer_state_dtype=float32",
+        id="fp8_states_custom_optimizer",
+    ),
+    row(
+        "check_training",
+        ["train.optimizer_state_dtype=float8", "train.optimizer_offload=states"],
+        "train.optimizer_state_dtype",
+        r"float8 moments are not kept on the host by train.optimizer_offload=states .*; choose one: "
+        r"train.optimizer_state_dtype=float32, or train.optimizer_offload=none or full",
+        id="fp8_states_host_states",
+    ),
+    row(
+        "check_training",
         ["train.loss_chunk_tokens=-1"],
         "train.loss_chunk_tokens",
         r"must be >= 0 \(0: the whole micro batch's logits at once; 1024 is a good size\), got -1",

@@ -218,4 +218,4 @@ def test_the_dry_run_counts_bf16_masters_at_half_the_parameter_and_gradient_byte
     for term in ("parameters", "gradients"):
         assert terms["bfloat16"][term] == pytest.approx(terms["float32"][term] / 2, rel=0.01)
     assert "| bfloat16 masters" in reports["bfloat16"] and "masters" not in reports["float32"]
-    assert "built-in AdamW with bf16 parameters (stochastic rounding)" in reports["bfloat16"]
+    assert "built-in AdamW with bfloat16 parameters (stochastic rounding)" in reports["bfloat16"]
