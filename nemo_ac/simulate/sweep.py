@@ -168,16 +168,17 @@ def neighbours(
         add(f"mb {mb // 2}", mb=mb // 2)
     add(f"mb {mb * 2}", mb=mb * 2)
     # The memory levers (docs/planning.md, "Memory levers"): every other optimizer offload (states only for the
-    # built-in AdamW with fp32 moments), the moments' other dtype (built-in AdamW; bf16 leaves the states offload),
-    # the loss chunked or not.
-    built_in, bf16_moments = recipe.train.optimizer is None, recipe.train.optimizer_state_dtype == "bfloat16"
-    fp32_only = built_in and not bf16_moments and recipe.train.master_dtype == "float32"
+    # built-in AdamW with fp32 moments), every other dtype of the moments (built-in AdamW; a low-precision one leaves
+    # the states offload), the loss chunked or not.
+    built_in, moments = recipe.train.optimizer is None, recipe.train.optimizer_state_dtype
+    fp32_only = built_in and moments == "float32" and recipe.train.master_dtype == "float32"
     for other in ("none", "states", "full"):
         if other != recipe.train.optimizer_offload and (other != "states" or fp32_only):
             add(f"optimizer_offload {other}", offload=other)
-    if built_in:
-        dtype = "float32" if bf16_moments else "bfloat16"
-        leave_states = {"offload": "none"} if dtype == "bfloat16" and recipe.train.optimizer_offload == "states" else {}
+    for dtype in ("float32", "bfloat16", "float8") if built_in else ():
+        if dtype == moments:
+            continue
+        leave_states = {"offload": "none"} if dtype != "float32" and recipe.train.optimizer_offload == "states" else {}
         add(f"optimizer_state_dtype {dtype}" + (" (offload none)" if leave_states else ""), state_dtype=dtype,
             **leave_states)  # fmt: skip
     # bf16 masters where they can run (the built-in AdamW, bf16 compute, no states-only offload), or back to fp32.

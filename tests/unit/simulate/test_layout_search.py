@@ -28,8 +28,10 @@ def test_the_sweep_tries_each_memory_lever_the_other_way() -> None:
     # Qwen3.6 keeps fp32 moments on the host (offload states): bf16 moments leave that offload, which keeps fp32 ones.
     bf16 = candidates["optimizer_state_dtype bfloat16 (offload none)"]
     assert (bf16.optimizer_state_dtype, bf16.optimizer_offload) == ("bfloat16", "none")
+    assert tiny["optimizer_state_dtype float8"].optimizer_state_dtype == "float8"
     back = {c.label for c in neighbours(load_recipe(TINY, ["train.optimizer_state_dtype=bfloat16"]))}
-    assert "optimizer_state_dtype float32" in back and "optimizer_offload states" not in back
+    assert {"optimizer_state_dtype float32", "optimizer_state_dtype float8"} <= back
+    assert "optimizer_offload states" not in back
 
 
 def test_the_sweep_ranks_the_recipes_neighbours_through_the_cli(capsys: pytest.CaptureFixture) -> None:
