@@ -575,6 +575,52 @@ def optimizer_test_groups(params: list[torch.nn.Parameter]) -> list[dict]:
     return [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}]
 
 
+def mlp_regression_losses(
+    make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *, steps: int = 150
+) -> list[float]:
+    """The loss per step of a two-layer MLP (16 -> 64 -> 1, tanh) fitting a seeded noisy tanh regression (256 rows),
+    the same model and data for every optimizer: the low-precision AdamW policies' loss curves against fp32's."""
+    torch.manual_seed(0)
+    inputs, weights = torch.randn(256, 16), torch.randn(16, 1)
+    targets = torch.tanh(inputs @ weights) + 0.05 * torch.randn(256, 1)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    optimizer = make_optimizer(list(model.parameters()))
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+class RecordedOps:
+    """``with RecordedOps() as ops:`` the names of the aten / custom ops dispatched inside (``ops.names``): what a
+    fused optimizer runs in place of the eager elementwise ops."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        names: list[str] = []
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                names.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self.names = names
+        self._mode = _Mode()
+
+    def __enter__(self) -> RecordedOps:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+
 def train_optimizer(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: range) -> None:
     """Seeded gradients per step; a parameter without a gradient on some steps (an optimizer must skip it)."""
     for step in steps:

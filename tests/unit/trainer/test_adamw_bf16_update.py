@@ -10,6 +10,7 @@ from torch._dynamo.testing import CompileCounter
 
 from nemo_ac.trainer.adamw_bf16_update import adamw_update, fused_adamw_update_, rounding_noise, update_key
 from nemo_ac.trainer.adamw_low_precision import AdamWLowPrecision
+from tests.factories import RecordedOps
 
 LENGTHS = (1000, 4096, 777)
 
@@ -78,14 +79,6 @@ def test_the_fused_optimizer_runs_one_op_per_parameter_compiled_once_and_steps_a
     """``AdamWLowPrecision(fused=True)`` (the built-in AdamW on CUDA) over three steps of two parameter shapes: one
     ``nemo_ac::adamw_bf16_update_`` per parameter and step (no eager elementwise op beside it), one compiled graph
     for both shapes and every step, and the eager optimizer's parameters (up to fma ulps, as above)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen: list[str] = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     def params() -> list[torch.nn.Parameter]:
         generator = torch.Generator().manual_seed(0)
@@ -97,11 +90,13 @@ def test_the_fused_optimizer_runs_one_op_per_parameter_compiled_once_and_steps_a
     eager = AdamWLowPrecision(eager_params, lr=1e-2, fused=False)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    seen: list[str] = []
     for step in range(3):
         for a, b in zip(fused_params, eager_params, strict=True):
             a.grad = b.grad = torch.randn(a.shape, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
-        with Ops():
+        with RecordedOps() as ops:
             fused.step()
+        seen += ops.names
         eager.step()
     assert seen.count("adamw_bf16_update_") == 6
     assert not {"add", "mul", "copy_", "bitwise_and"} & set(seen)

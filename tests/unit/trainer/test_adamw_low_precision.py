@@ -17,7 +17,7 @@ from nemo_ac.simulate.report import PlanReport
 from nemo_ac.simulate.run import SimulationOptions, simulate
 from nemo_ac.trainer.adamw_bf16_update import stochastic_round_to_bf16, update_key
 from nemo_ac.trainer.adamw_low_precision import AdamWLowPrecision
-from tests.factories import optimizer_test_groups, optimizer_test_params, train_optimizer
+from tests.factories import mlp_regression_losses, optimizer_test_groups, optimizer_test_params, train_optimizer
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -131,22 +131,11 @@ def test_a_small_model_trains_as_with_fp32_moments_over_150_steps() -> None:
     differs from fp32's by a fraction of a percent of itself, and the difference in the loss it makes is that
     fraction of the loss's fall per step; relative to the loss itself the curves cannot be compared late, where
     both sit at the fit's noise floor (1e-4) and any perturbation is 100% of it."""
-    torch.manual_seed(0)
-    inputs, weights = torch.randn(256, 16), torch.randn(16, 1)
-    targets = torch.tanh(inputs @ weights) + 0.05 * torch.randn(256, 1)
 
     def run(state_dtype: torch.dtype) -> list[float]:
-        torch.manual_seed(1)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-        optimizer = AdamWLowPrecision(model.parameters(), lr=1e-2, betas=(0.9, 0.95), state_dtype=state_dtype)
-        losses = []
-        for _ in range(150):
-            loss = torch.nn.functional.mse_loss(model(inputs), targets)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        return losses
+        return mlp_regression_losses(
+            lambda params: AdamWLowPrecision(params, lr=1e-2, betas=(0.9, 0.95), state_dtype=state_dtype)
+        )
 
     fp32, bf16 = run(torch.float32), run(torch.bfloat16)
     assert bf16[-1] < 0.001 * bf16[0] and fp32[-1] < 0.001 * fp32[0]  # both train
