@@ -87,67 +87,70 @@ def measure_step_of(
     trainer = build_trainer(setup, logger=quiet_logger(setup.recipe))
     prepared = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(0)]
     tokens = trainer.global_tokens(prepared)
-    accounting = CompileAccounting(watch_checkpoint_entries=setup.plan.applied.compiled_checkpoint_entries).install()
-    if setup.plan.compile is not None:
-        compile_before_counting(trainer, prepared, global_tokens=tokens)
-    hold = len(prepared) > 1 and not trainer.options.reduce_grads_on_last_micro_batch_only
-    start_like_a_later_step(trainer, hold_gradients=hold)
-    counter = StepCounter(group_labels=mesh_group_labels(setup.meshes))
-    sampler = PeakSampler(setup.model, setup.optimizer, device_type=env.device.type, context=counter.buffer_state)
-    with dtensor_propagation_marked(), sampler, counter:
-        measured = measure_step(
-            trainer, prepared, global_tokens=tokens, counter=counter, sampler=sampler, micro_batch_limit=None
+    # Closed however the step ends: measurements of several recipes share one process (the accuracy tests), and
+    # a failed one must not leave its compile callbacks counting the next recipe's compiles.
+    with CompileAccounting(watch_checkpoint_entries=setup.plan.applied.compiled_checkpoint_entries) as accounting:
+        if setup.plan.compile is not None:
+            compile_before_counting(trainer, prepared, global_tokens=tokens)
+        hold = len(prepared) > 1 and not trainer.options.reduce_grads_on_last_micro_batch_only
+        start_like_a_later_step(trainer, hold_gradients=hold)
+        counter = StepCounter(group_labels=mesh_group_labels(setup.meshes))
+        sampler = PeakSampler(setup.model, setup.optimizer, device_type=env.device.type, context=counter.buffer_state)
+        with dtensor_propagation_marked(), sampler, counter:
+            measured = measure_step(
+                trainer, prepared, global_tokens=tokens, counter=counter, sampler=sampler, micro_batch_limit=None
+            )
+        host = host_bytes(
+            setup.optimizer,
+            setup.plan.applied.offloader,
+            measured.micro_batches_run,
+            model=setup.model,
+            parameters_on_host=setup.plan.fsdp.parameters_on_host,
         )
-    host = host_bytes(
-        setup.optimizer,
-        setup.plan.applied.offloader,
-        measured.micro_batches_run,
-        model=setup.model,
-        parameters_on_host=setup.plan.fsdp.parameters_on_host,
-    )
-    # torch's own count over the same micro batches, in a pass of its own: FlopCounterMode keeps tensors alive
-    # longer (its module hooks), which moved the tracked peak of the tiny Qwen3 MoE step from 3.1 to 7.2 MB.
-    with dtensor_propagation_marked(), FlopCounterMode(display=False) as flop_counter:
-        trainer.accumulate(prepared, global_tokens=tokens)
-        trainer.update()
-    walls = []
-    profiled: dict[str, Any] = {}
-    for step in range(1, timed_steps + 1 + int(profile)):
-        batches = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(step)]
-        step_tokens = trainer.global_tokens(batches)
-        if env.device.type == "cuda":
-            torch.cuda.synchronize(env.device)
-        with step_profiler(
-            enabled=step > timed_steps, device_type=env.device.type, out=out, rank=env.rank
-        ) as profiled_step:
-            started = time.perf_counter()
-            trainer.accumulate(batches, global_tokens=step_tokens)
+        # torch's own count over the same micro batches, in a pass of its own: FlopCounterMode keeps tensors alive
+        # longer (its module hooks), which moved the tracked peak of the tiny Qwen3 MoE step from 3.1 to 7.2 MB.
+        with dtensor_propagation_marked(), FlopCounterMode(display=False) as flop_counter:
+            trainer.accumulate(prepared, global_tokens=tokens)
             trainer.update()
+        walls = []
+        profiled: dict[str, Any] = {}
+        for step in range(1, timed_steps + 1 + int(profile)):
+            batches = [trainer.prepare_batch(b.to(env.device)) for b in setup.data.batches_for_step(step)]
+            step_tokens = trainer.global_tokens(batches)
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)
-            elapsed = time.perf_counter() - started
-        if step <= timed_steps:
-            walls.append(elapsed)
-        else:
-            profiled = {**profiled_step, "wall_s": elapsed}
-    result = {
-        "recipe": recipe.name,
-        "rank": env.rank,
-        "world_size": env.world_size,
-        "device": str(env.device),
-        "peak_bytes": measured.peak.peak_bytes,
-        "terms": measured.peak.terms,
-        "phase_at_peak": measured.peak.phase_at_peak,
-        "host_bytes": host,
-        "flop_counter_total": int(flop_counter.get_total_flops()),
-        "micro_batches": measured.micro_batches_per_step,
-        "step_wall_s": walls,
-        "compile": accounting.metrics(),  # the timed steps ran compiled blocks where compiles_fwd > 0
-        "profile": profiled,  # {} without --profile; step_profiler's summary, wall_s under the profiler
-        "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else None,
-        **counts_as_dict(measured.counts),
-    }
-    accounting.close()
+            with step_profiler(
+                enabled=step > timed_steps, device_type=env.device.type, out=out, rank=env.rank
+            ) as profiled_step:
+                started = time.perf_counter()
+                trainer.accumulate(batches, global_tokens=step_tokens)
+                trainer.update()
+                if env.device.type == "cuda":
+                    torch.cuda.synchronize(env.device)
+                elapsed = time.perf_counter() - started
+            if step <= timed_steps:
+                walls.append(elapsed)
+            else:
+                profiled = {**profiled_step, "wall_s": elapsed}
+        result = {
+            "recipe": recipe.name,
+            "rank": env.rank,
+            "world_size": env.world_size,
+            "device": str(env.device),
+            "peak_bytes": measured.peak.peak_bytes,
+            "terms": measured.peak.terms,
+            "phase_at_peak": measured.peak.phase_at_peak,
+            "host_bytes": host,
+            "flop_counter_total": int(flop_counter.get_total_flops()),
+            "micro_batches": measured.micro_batches_per_step,
+            "step_wall_s": walls,
+            "compile": accounting.metrics(),  # the timed steps ran compiled blocks where compiles_fwd > 0
+            "profile": profiled,  # {} without --profile; step_profiler's summary, wall_s under the profiler
+            "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(env.device)
+            if env.device.type == "cuda"
+            else None,
+            **counts_as_dict(measured.counts),
+        }
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
