@@ -5,13 +5,16 @@ off so the launches stay short), from the same seed on the same rows:
 
 - ``fp32``: the default, torch's AdamW with fp32 moments on the device (the reference);
 - ``bf16 moments``: ``train.optimizer_state_dtype=bfloat16`` (stochastic rounding, trainer/adamw_low_precision.py);
+- ``fp8 moments``: ``train.optimizer_state_dtype=float8`` (e4m3 codes, a scale per 128 elements of a row,
+  trainer/adamw_fp8_states.py);
 - ``host states``: ``train.optimizer_offload=states`` (fp32 moments in host memory, bitwise the reference);
 - ``full offload``: ``train.optimizer_offload=full`` (FSDP2's CPUOffloadPolicy, the step on the host);
 - ``full offload + bf16 moments``: both;
 - ``fp32 masters, bf16 compute``: ``parallel.fsdp.param_dtype=bfloat16`` (the flagships' compute), the reference of
   the two bf16-master rows below, which need bf16 compute;
 - ``bf16 masters``: ``train.master_dtype=bfloat16`` (parameters and gradients in bf16, stochastically rounded update);
-- ``bf16 masters + bf16 moments``: 8 bytes per parameter in all, NeMo Automodel's benchmark setting.
+- ``bf16 masters + bf16 moments``: 8 bytes per parameter in all, NeMo Automodel's benchmark setting;
+- ``bf16 masters + fp8 moments``: 6.06 bytes per parameter in all.
 
 Printed per policy: the largest loss difference from its reference over the 120 steps (absolute, and relative to
 the first loss), the mean loss of the last 20 steps beside the reference's (single steps swing by 10% from row to
@@ -20,7 +23,7 @@ rank on the device at the optimizer step by the dry run (``nemo-ac plan``'s memo
 the bf16 policy is stopped after step 60 (a DCP checkpoint) and resumed to 120: its curve must be bitwise the
 uninterrupted one (the rounding noise is seeded by parameter and step).
 
-    python benchmarks/optimizer_policies.py            # ~3 minutes on 2 CPU cores
+    python benchmarks/optimizer_policies.py            # ~6 minutes on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ BF16_COMPUTE = "parallel.fsdp.param_dtype=bfloat16"
 POLICIES = {
     REFERENCE: ([], REFERENCE),
     "bf16 moments": (["train.optimizer_state_dtype=bfloat16"], REFERENCE),
+    "fp8 moments": (["train.optimizer_state_dtype=float8"], REFERENCE),
     "host states": (["train.optimizer_offload=states"], REFERENCE),
     "full offload": (["train.optimizer_offload=full"], REFERENCE),
     "full offload + bf16 moments": (
@@ -54,6 +58,10 @@ POLICIES = {
     "bf16 masters": ([BF16_COMPUTE, "train.master_dtype=bfloat16"], BF16_REFERENCE),
     "bf16 masters + bf16 moments": (
         [BF16_COMPUTE, "train.master_dtype=bfloat16", "train.optimizer_state_dtype=bfloat16"],
+        BF16_REFERENCE,
+    ),
+    "bf16 masters + fp8 moments": (
+        [BF16_COMPUTE, "train.master_dtype=bfloat16", "train.optimizer_state_dtype=float8"],
         BF16_REFERENCE,
     ),
 }

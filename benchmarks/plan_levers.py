@@ -29,6 +29,10 @@ ROWS: list[tuple[str, str, int, str, list[str]]] = [
                                                                                  "train.optimizer_state_dtype=bfloat16"]),
     ("Qwen3.6 EP8 x CP2, 8", QWEN, 8, "chunked loss + bf16 masters + bf16 moments on the device", [
         "train.optimizer_offload=none", "train.master_dtype=bfloat16", "train.optimizer_state_dtype=bfloat16"]),
+    ("Qwen3.6 EP8 x CP2, 8", QWEN, 8, "chunked loss + fp8 moments on the device", ["train.optimizer_offload=none",
+                                                                                "train.optimizer_state_dtype=float8"]),
+    ("Qwen3.6 EP8 x CP2, 8", QWEN, 8, "chunked loss + bf16 masters + fp8 moments on the device", [
+        "train.optimizer_offload=none", "train.master_dtype=bfloat16", "train.optimizer_state_dtype=float8"]),
     ("GLM-4.5-Air CP4, 16", GLM, 16, "fused AdamW, mb 1", [*NO_LEVERS, "train.micro_batch_size=1"]),
     ("GLM-4.5-Air CP4, 16", GLM, 16, "+ chunked loss + states on host, mb 1", ["train.optimizer_offload=states",
                                                                                 "train.micro_batch_size=1"]),
@@ -38,11 +42,16 @@ ROWS: list[tuple[str, str, int, str, list[str]]] = [
                                                                                     "train.micro_batch_size=1"]),
     ("GLM-4.5-Air CP4, 16", GLM, 16, "+ chunked loss + bf16 moments on the device, mb 1", [
         "train.optimizer_offload=none", "train.optimizer_state_dtype=bfloat16", "train.micro_batch_size=1"]),
+    ("GLM-4.5-Air CP4, 16", GLM, 16, "+ chunked loss + bf16 masters + fp8 moments on the device, mb 1", [
+        "train.optimizer_offload=none", "train.master_dtype=bfloat16", "train.optimizer_state_dtype=float8",
+        "train.micro_batch_size=1"]),
     ("GLM-4.5-Air CP4, 8 (one node)", GLM, 8, "chunked loss + full offload, mb 8 (recipe)", []),
     ("GLM-4.5-Air CP4, 8 (one node)", GLM, 8, "chunked loss + full offload + bf16 moments, mb 8", [
         "train.optimizer_state_dtype=bfloat16"]),
     ("GLM-4.5-Air CP4, 8 (one node)", GLM, 8, "chunked loss + full offload + bf16 masters + bf16 moments, mb 8", [
         "train.master_dtype=bfloat16", "train.optimizer_state_dtype=bfloat16"]),
+    ("GLM-4.5-Air CP4, 8 (one node)", GLM, 8, "chunked loss + full offload + bf16 masters + fp8 moments, mb 8", [
+        "train.master_dtype=bfloat16", "train.optimizer_state_dtype=float8"]),
 ]  # fmt: skip
 
 
