@@ -152,6 +152,11 @@ wait_bg
 
 # Part 2, timings, one measurement on the GPU at a time (a dry run, CPU only, may run beside one): nemo-ac plan
 # against a measured mid-size MoE step, then with the full optimizer offload, then the flagship layer benchmark.
+# The estimate for the GPU this is (the --against line prints the estimate's error only for that GPU; another GPU than
+# the specs describe gets the H100 estimate and no error).
+PLAN_GPU=$("$PY" -c "import torch; from nemo_ac.simulate.gpus import spec_for_device_name as spec_of
+spec = spec_of(torch.cuda.get_device_name()); print(spec.name if spec else 'h100-80gb')")
+echo "=== plan estimates for: $PLAN_GPU"
 MID=(dist.backend=nccl dist.device=cuda parallel.fsdp.param_dtype=bfloat16 model.moe.force_balanced_routing=true
   model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16 model.num_key_value_heads=4 model.head_dim=128
   model.vocab_size=32000 model.moe.num_experts=64 model.moe.num_experts_per_tok=8 model.moe.moe_intermediate_size=768
@@ -160,12 +165,12 @@ step measure_mid_moe 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.
   recipes/tiny/qwen3_moe_tiny.yaml --out "$LOGS/measure_mid" --timed-steps 3 --profile "${MID[@]}"
 grep -E "^profile \|" "$LOGS/measure_mid_moe.log" | head -16 | cut -c1-170  # what dominates the measured step
 step_bg plan_against_measured 200 "$PY" -m nemo_ac.cli plan recipes/tiny/qwen3_moe_tiny.yaml --world-size 1 \
-  --gpu h200-141gb --against "$LOGS/measure_mid" "${MID[@]}"
+  --gpu "$PLAN_GPU" --against "$LOGS/measure_mid" "${MID[@]}"
 step measure_mid_moe_full_offload 150 "$TORCHRUN" --standalone --nproc-per-node 1 -m nemo_ac.simulate.measure \
   recipes/tiny/qwen3_moe_tiny.yaml --out "$LOGS/measure_mid_full" --timed-steps 2 "${MID[@]}" \
   train.optimizer_offload=full
 step_bg plan_against_measured_full_offload 200 "$PY" -m nemo_ac.cli plan recipes/tiny/qwen3_moe_tiny.yaml \
-  --world-size 1 --gpu h200-141gb --against "$LOGS/measure_mid_full" "${MID[@]}" train.optimizer_offload=full
+  --world-size 1 --gpu "$PLAN_GPU" --against "$LOGS/measure_mid_full" "${MID[@]}" train.optimizer_offload=full
 step flagship_layers_quick_cuda 150 "$PY" benchmarks/flagship_layers.py --quick --device cuda
 wait_bg
 grep -hE "^against|^host" "$LOGS/plan_against_measured.log" "$LOGS/plan_against_measured_full_offload.log"

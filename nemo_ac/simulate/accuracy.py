@@ -136,3 +136,26 @@ def profile_lines(profile: dict[str, Any], estimate: StepEstimate, *, rows: int 
             + (f"estimated {estimated * 1e3:9.2f} ms" if estimated is not None else "estimated         -")
         )
     return lines
+
+
+def step_time_line(measured: dict[str, Any], estimate: StepEstimate) -> str | None:
+    """The measured step time (median of the timed steps) beside the estimate, with the estimate's error where the
+    step ran on the GPU the estimate is for; elsewhere (a CPU step, another GPU) no error, and the line says why: an
+    H100 estimate against a CPU step would read -100%. None without timed steps."""
+    from nemo_ac.simulate.gpus import spec_for_device_name
+
+    walls = sorted(measured.get("step_wall_s") or [])
+    if not walls:
+        return None
+    median = walls[len(walls) // 2]
+    ran_on = measured.get("gpu_name") or measured.get("device") or "an unknown device"
+    spec = spec_for_device_name(measured["gpu_name"]) if measured.get("gpu_name") else None
+    if spec is not None and spec.name == estimate.gpu:
+        verdict = f"error {estimate.step_s / median - 1:+.1%}"
+    else:
+        verdict = f"no error printed: measured on {ran_on}, estimated for {estimate.gpu}"
+    return (
+        f"against | step measured {median:.3f} s (median of {len(walls)}) on {ran_on}; estimated "
+        f"{estimate.step_s:.3f} s on {estimate.gpu} (bounds {estimate.step_fused_s:.3f} .. {estimate.step_eager_s:.3f} "
+        f"s); {verdict}"
+    )

@@ -174,7 +174,7 @@ def run_plan(args: argparse.Namespace) -> int:
         for line in write_pictures(simulation, gpus[0], trace=args.trace, memory_plot=args.memory_plot):
             print(line)
     if args.against:
-        from nemo_ac.simulate.accuracy import compare, profile_lines, read_measured
+        from nemo_ac.simulate.accuracy import compare, profile_lines, read_measured, step_time_line
 
         try:
             measured = read_measured(args.against, args.rank)
@@ -184,14 +184,9 @@ def run_plan(args: argparse.Namespace) -> int:
             )
             return 2
         print(compare(simulation, measured).line())
-        walls = sorted(measured.get("step_wall_s") or [])
-        if walls:
-            e = report.estimates[0]
-            print(
-                f"against | step measured {walls[len(walls) // 2]:.3f} s (median of {len(walls)}) on "
-                f"{measured.get('device')}; estimated {e.step_s:.3f} s on {e.gpu} (bounds {e.step_fused_s:.3f} .. "
-                f"{e.step_eager_s:.3f} s); error {e.step_s / walls[len(walls) // 2] - 1:+.1%} where the GPUs match"
-            )
+        step_line = step_time_line(measured, report.estimates[0])
+        if step_line is not None:
+            print(step_line)
         for line in profile_lines(measured.get("profile") or {}, report.estimates[0]):
             print(line)
         if measured.get("cuda_max_allocated_bytes"):

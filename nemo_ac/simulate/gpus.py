@@ -138,6 +138,27 @@ GPUS: dict[str, GpuSpec] = {
 }
 
 
+# torch.cuda.get_device_name() -> the spec it is, first match wins: the PCIe / NVL H100s and the 40 GB A100 are
+# other GPUs than the SXM parts the specs describe (other clocks, memory, links), so they match none.
+_DEVICE_NAMES: tuple[tuple[str, str | None], ...] = (
+    ("H100 NVL", None),
+    ("H100 PCIe", None),
+    ("H100", "h100-80gb"),  # "NVIDIA H100 80GB HBM3"
+    ("H200", "h200-141gb"),  # "NVIDIA H200"
+    ("B200", "b200-180gb"),  # "NVIDIA B200"
+    ("A100-SXM4-80GB", "a100-80gb"),
+)
+
+
+def spec_for_device_name(device_name: str) -> GpuSpec | None:
+    """The spec of the GPU torch names ``device_name``, or None where none describes it: a measured step is held
+    against the estimate for the GPU it ran on, and no other."""
+    for fragment, name in _DEVICE_NAMES:
+        if fragment.lower() in device_name.lower():
+            return GPUS[name] if name is not None else None
+    return None
+
+
 def gpu_spec(name: str, *, key: str = "--gpu") -> GpuSpec:
     """The spec called ``name`` (case-insensitive); a ``ConfigError`` naming the known ones otherwise."""
     spec = GPUS.get(name.strip().lower())

@@ -137,6 +137,8 @@ def measure_step_of(
             "rank": env.rank,
             "world_size": env.world_size,
             "device": str(env.device),
+            # the GPU it ran on (torch's name): nemo-ac plan --against prints the estimate's error only for that GPU
+            "gpu_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None,
             "peak_bytes": measured.peak.peak_bytes,
             "terms": measured.peak.terms,
             "phase_at_peak": measured.peak.phase_at_peak,
