@@ -104,3 +104,18 @@ def assert_close_rel(actual: list[float], expected: list[float], *, rel: float) 
     assert len(actual) == len(expected), (actual, expected)
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert abs(a - e) <= rel * max(abs(e), 1e-12), f"step {i + 1}: {a!r} vs {e!r} (rel tol {rel})"
+
+
+def checkpointing(ckpt_dir: Path, *, every: int, resume: str = "auto") -> list[str]:
+    """The overrides that save a DCP checkpoint every ``every`` steps under ``ckpt_dir`` and resume per ``resume``."""
+    return [
+        "checkpoint.enabled=true",
+        f"checkpoint.dir={ckpt_dir}",
+        f"checkpoint.every_n_steps={every}",
+        f"checkpoint.resume={resume}",
+    ]
+
+
+def records(run: RunResult, key: str) -> list[float]:
+    """``key`` of every step's metrics record of ``run``."""
+    return [m[key] for m in run.metrics]
