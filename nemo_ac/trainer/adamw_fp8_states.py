@@ -96,9 +96,13 @@ def _block_absmax(values: torch.Tensor, blocks: torch.Tensor, width: int) -> tor
     return out.scatter_reduce_(0, blocks, values.abs(), reduce="amax")
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, width: int) -> torch.Tensor:
-    """fp32 values, ``codes``' shape flattened to one dim."""
-    return codes.float().reshape(-1) * scales.reshape(-1)[_block_index(codes.numel(), width, codes.device)]
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, width: int, *, blocks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 values, ``codes``' shape flattened to one dim (``blocks``: ``_block_index`` of it, where known)."""
+    if blocks is None:
+        blocks = _block_index(codes.numel(), width, codes.device)
+    return codes.float().reshape(-1) * scales.reshape(-1)[blocks]
 
 
 def _decode(bits: torch.Tensor) -> torch.Tensor:
@@ -122,10 +126,17 @@ def stochastic_round_to_fp8(value: torch.Tensor, *, key: int | torch.Tensor) -> 
 
 
 def quantize_into(
-    value: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, width: int, key: int | torch.Tensor
+    value: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    width: int,
+    key: int | torch.Tensor,
+    blocks: torch.Tensor | None = None,
 ) -> None:
     """Writes fp32 ``value`` (flat) into ``codes`` and ``scales``: each block's largest magnitude maps to 448."""
-    blocks = _block_index(value.numel(), width, value.device)
+    if blocks is None:
+        blocks = _block_index(value.numel(), width, value.device)
     scale = _block_absmax(value, blocks, width) / FP8_MAX
     per_element = scale[blocks]
     scaled = value / torch.where(per_element > 0, per_element, 1.0)
@@ -150,13 +161,14 @@ def adamw_fp8_update(
     decay, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, step_size = scalars.unbind()
     value = param.reshape(-1).float() * decay
     g = grad.reshape(-1).float()
-    first = dequantize(exp_avg, exp_avg_scale, width)
+    blocks = _block_index(g.numel(), width, g.device)  # once: eagerly, each is an int64 tensor the parameter's size
+    first = dequantize(exp_avg, exp_avg_scale, width, blocks=blocks)
     first = first + (g - first) * one_minus_beta1
-    root = dequantize(exp_avg_sq_root, exp_avg_sq_root_scale, width)
+    root = dequantize(exp_avg_sq_root, exp_avg_sq_root_scale, width, blocks=blocks)
     root = (root * root * beta2 + g * g * one_minus_beta2).sqrt()
     value = value + step_size * first / (root / bias_correction2_sqrt + eps)
-    quantize_into(first, exp_avg, exp_avg_scale, width=width, key=key)
-    quantize_into(root, exp_avg_sq_root, exp_avg_sq_root_scale, width=width, key=key ^ (1 << 29))
+    quantize_into(first, exp_avg, exp_avg_scale, width=width, key=key, blocks=blocks)
+    quantize_into(root, exp_avg_sq_root, exp_avg_sq_root_scale, width=width, key=key ^ (1 << 29), blocks=blocks)
     if param.dtype == torch.bfloat16:
         param.view(-1).copy_(stochastic_round_to_bf16(value, key=key ^ (2 << 29)))
     else:
