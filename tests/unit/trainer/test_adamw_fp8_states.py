@@ -119,12 +119,13 @@ def test_a_state_dict_round_trip_continues_bitwise() -> None:
         bf16_moments.load_state_dict(saved)
 
 
-@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_update_is_one_graph_for_every_shape_and_steps_as_the_eager_one(param_dtype) -> None:
+def test_the_fused_update_is_one_graph_for_every_shape_and_steps_as_the_eager_one() -> None:
     """``AdamWLowPrecision(fused=True)`` (the built-in AdamW on CUDA; inductor's C++ here) over three steps of three
     shapes, rows of 200, 64 and 1024: one ``nemo_ac::adamw_fp8_states_update_`` per parameter and step, one graph
     for every shape, width and step, and the eager optimizer's parameters and codes, but where inductor's fused
-    multiply-adds move an fp32 value by an ulp and a rounding then lands on the other neighbour."""
+    multiply-adds move an fp32 value by an ulp and a rounding then lands on the other neighbour. bf16 parameters
+    (``train.master_dtype: bfloat16``): both roundings, the parameter's and the codes', in the one kernel."""
+    param_dtype = torch.bfloat16
 
     def params() -> list[torch.nn.Parameter]:
         generator = torch.Generator().manual_seed(0)
