@@ -30,7 +30,7 @@ intranode kernels in ``csrc/kernels/intranode.cu``, ``csrc/kernels/legacy/`` in 
 
 Deliberate differences: any floating dtype (DeepEP: bf16 tokens, fp8 optional for dispatch), so tests can compare in
 fp32 exactly; one rank is accepted too (DeepEP has no 1-rank config), so single-process tests can trace the ops;
-synchronous (the returned event's ``current_stream_wait`` only logs where the compute stream would wait); size hints are 0 (gloo needs no buffer); no
+synchronous (an ``async_finish`` call's event only logs where the compute stream would wait); size hints are 0 (gloo needs no buffer); no
 fp8, bias, low-latency mode, ``num_worst_tokens`` or SM/config tuning (they raise).
 
 It counts its calls in ``calls``, by kind: ``dispatch`` (a new layout from ``topk_idx``) and ``combine`` (no
@@ -54,7 +54,7 @@ _NVL_PEERS = 8  # DeepEP's internode split: 8 NVLink peers per node
 
 class StandInEvent:
     """DeepEP's ``EventOverlap`` for a synchronous stand-in: waiting does nothing, but an ``async_finish``
-    dispatch's event writes ``"wait"`` into the buffer's ``log`` (where the compute stream would wait)."""
+    call's event writes ``"wait"`` into the buffer's ``log`` (where the compute stream would wait)."""
 
     def __init__(self, log: list[str] | None = None) -> None:
         self.log = log
@@ -98,7 +98,7 @@ class GlooDeepEPBufferStandIn:
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.calls: collections.Counter[str] = collections.Counter()
-        self.log: list[str] = []  # forward dispatches and combines, and the waits of async ones, in order
+        self.log: list[str] = []  # every dispatch and combine, and the waits of async ones, in order
 
     get_dispatch_config = staticmethod(_config)
     get_combine_config = staticmethod(_config)
@@ -155,10 +155,11 @@ class GlooDeepEPBufferStandIn:
         self.calls["dispatch" if handle is None else "dispatch(handle)"] += 1
         if handle is not None:
             assert topk_idx is None and topk_weights is None, "a cached dispatch takes no top-k (DeepEP asserts too)"
+            self.log.append("dispatch(handle, async_finish)" if async_finish else "dispatch(handle)")
             _in_rank, send_index, send_counts, recv_counts = handle
             rows = x.index_select(0, send_index)
             recv_x = self._exchange(rows, send_counts=send_counts.tolist(), recv_counts=recv_counts.tolist())
-            return recv_x, None, None, None, None, StandInEvent()
+            return recv_x, None, None, None, None, StandInEvent(self.log if async_finish else None)
         assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         self.log.append("dispatch(async_finish)" if async_finish else "dispatch")
         ranks = self.group_size
@@ -199,9 +200,11 @@ class GlooDeepEPBufferStandIn:
     ) -> tuple[torch.Tensor, torch.Tensor | None, StandInEvent]:
         if bias is not None:
             raise NotImplementedError("the stand-in has no combine bias")
-        self.calls["combine" if topk_weights is None else "combine(topk_weights)"] += 1
-        if topk_weights is None:
-            self.log.append("combine")
+        kind = "combine" if topk_weights is None else "combine(topk_weights)"
+        self.calls[kind] += 1
+        if async_finish:
+            kind = "combine(async_finish)" if topk_weights is None else "combine(topk_weights, async_finish)"
+        self.log.append(kind)
         in_rank, send_index, send_counts, recv_counts = handle
         splits = {"send_counts": recv_counts.tolist(), "recv_counts": send_counts.tolist()}  # the way back
         back = self._exchange(x, **splits)
@@ -210,7 +213,8 @@ class GlooDeepEPBufferStandIn:
         if topk_weights is not None:
             back_weights = self._exchange(topk_weights, **splits)
             weights = _sum_per_token(back_weights, send_index, send_counts.tolist(), num_tokens=in_rank.shape[0])
-        return combined.to(x.dtype), weights if weights is None else weights.to(topk_weights.dtype), StandInEvent()
+        event = StandInEvent(self.log if async_finish else None)
+        return combined.to(x.dtype), weights if weights is None else weights.to(topk_weights.dtype), event
 
 
 def _sum_per_token(rows: torch.Tensor, index: torch.Tensor, counts: list[int], *, num_tokens: int) -> torch.Tensor:

@@ -144,6 +144,17 @@ _DEEPEP_SENDS: dict[str, Callable[[tuple], tuple[int, int, int]]] = {
     "deepep_combine": lambda a: (a[3], _row_bytes(a[0]), a[2]),  # [received, H] back to the num_tokens sources
     "deepep_dispatch_backward": lambda a: (a[4], _row_bytes(a[0], a[1]), a[3]),  # a combine: gradients, weights'
 }
+# The asynchronous backward (deepep_ops, "Asynchronous backward"): a start op issues the transfer of the op named
+# here, the finish op is where its outputs arrive (or, with no start before it, the transfer itself).
+_DEEPEP_STARTS = {
+    "deepep_dispatch_backward_start": "deepep_dispatch_backward",
+    "deepep_combine_backward_start": "deepep_combine_backward",
+}
+_DEEPEP_FINISHES = {
+    "deepep_dispatch_backward_finish": "deepep_dispatch_backward",
+    "deepep_combine_backward_finish": "deepep_combine_backward",
+}
+_DEEPEP_OPS = frozenset(_DEEPEP_SENDS) | frozenset(_DEEPEP_STARTS) | frozenset(_DEEPEP_FINISHES)
 
 
 # The dry run keeps what a GPU run holds in host memory (offloaded activations, offloaded optimizer states) on the
@@ -188,8 +199,8 @@ class CollectiveCall:
     network_bytes: int
     ranks: tuple[int, ...]
     weight: int = 1
-    # An asynchronous call (DeepEP's forward dispatch with ``async_finish``): the cost index of the first op that
-    # reads what it received. The costs in between run while it is in flight; None: it blocks where it is issued.
+    # An asynchronous call (DeepEP's transfers with ``async_finish``): the cost index of the first op that reads what
+    # it received. The costs in between run while it is in flight; None: it blocks where it is issued.
     read_at: int | None = None
 
 
@@ -241,6 +252,7 @@ class StepCounter(TorchDispatchMode):
         self.sequence = 0  # ops seen since the counter was made (never reset: orders costs and memory samples)
         self._buffers: dict[int, Any] = {}
         self._in_flight: dict[int, int] = {}  # storage id of an async call's output -> its index in counts.calls
+        self._started: dict[str, list[int]] = {}  # a started backward transfer's op -> its calls not yet finished
         self._forced_phase: str | None = None
 
     @contextlib.contextmanager
@@ -256,6 +268,7 @@ class StepCounter(TorchDispatchMode):
             self.regions.finish()  # pending writes land on this segment's costs before it is handed on
         self.counts = StepCounts()
         self._in_flight.clear()
+        self._started.clear()
 
     def _phase(self) -> str:
         if self._forced_phase is not None:
@@ -312,7 +325,19 @@ class StepCounter(TorchDispatchMode):
     def _count_deepep(self, name: str, args: tuple, out: Any) -> None:
         """One of DeepEP's ops: what this rank sends is its tokens, once per other rank each goes to over NVLink and
         once per other node over RDMA (a dispatch; a combine sends as many back, every rank routing alike), a row
-        being the op's hidden row plus, for the dispatch, the token's expert ids and weights."""
+        being the op's hidden row plus, for the dispatch, the token's expert ids and weights. A backward transfer
+        started asynchronously is counted at its start and arrives at its finish (``CollectiveCall.read_at``)."""
+        if name in _DEEPEP_FINISHES:
+            name = _DEEPEP_FINISHES[name]
+            started = self._started.get(name)
+            if started:
+                index = started.pop(0)
+                self.counts.calls[index] = dataclasses.replace(self.counts.calls[index], read_at=len(self.counts.costs))
+                for tensor in _tensors(out):
+                    self._keep_buffer(tensor)
+                return
+        start = name in _DEEPEP_STARTS
+        name = _DEEPEP_STARTS.get(name, name)
         tokens, rows, key = _DEEPEP_SENDS[name](args)
         group = deepep_ops.buffer_source(key).group
         label, ranks = self._label(group)
@@ -322,6 +347,8 @@ class StepCounter(TorchDispatchMode):
             tokens=tokens, group_ranks=ranks, rank_in_group=dist.get_rank(group), gpus_per_node=GPUS_PER_NODE
         )
         payload = sum(_nbytes(t) for t in _tensors(out))
+        if start:  # what the finish will return: [num_tokens, H] and the weights' [num_tokens, k], or [received, H]
+            payload = args[4] * rows if name == "deepep_dispatch_backward" else args[3] * _row_bytes(args[0])
         wire = round(tokens * where.remote_ranks_per_token * rows)
         # The forward ops run inside their autograd function, without grad mode: seen during backward they are a
         # checkpoint's recompute, which the phase from grad mode cannot tell from the backward.
@@ -330,7 +357,11 @@ class StepCounter(TorchDispatchMode):
         with self.phase(phase):
             self._record(label, "deepep", False, ranks, payload, wire,
                          network=round(tokens * where.remote_nodes_per_token * rows))  # fmt: skip
-        asynchronous = name == "deepep_dispatch" and len(args) > 5 and bool(args[5])
+        if start:
+            self._started.setdefault(name, []).append(len(self.counts.calls) - 1)
+        asynchronous = (name == "deepep_dispatch" and len(args) > 5 and bool(args[5])) or (
+            name == "deepep_combine" and len(args) > 4 and bool(args[4])
+        )
         for tensor in _tensors(out):
             if tensor.dim():  # not the handle token (a host scalar)
                 self._keep_buffer(tensor)
@@ -409,7 +440,7 @@ class StepCounter(TorchDispatchMode):
                 self.regions.account(None, extern=True, inputs=_tensors((args, kwargs)), outputs=[])
             self._count_collective(func, args, kwargs, out)
             return
-        if func.namespace == "nemo_ac" and func.overloadpacket.__name__ in _DEEPEP_SENDS:
+        if func.namespace == "nemo_ac" and func.overloadpacket.__name__ in _DEEPEP_OPS:
             if self.regions is not None:
                 self.regions.account(None, extern=True, inputs=_tensors((args, kwargs)), outputs=[])
             self._count_deepep(func.overloadpacket.__name__, args, out)

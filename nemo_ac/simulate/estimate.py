@@ -20,9 +20,9 @@ in memory), every other op its eager bytes. Two bounds are printed beside it, fo
 
 Overlap: FSDP2's all-gathers and reduce-scatters (and HSDP's all-reduce) run on their own streams and are hidden
 behind compute (step = max(compute, FSDP) + the rest); EP all-to-alls, CP exchanges and the loop's all-reduces are
-on the critical path, except where the code issues one asynchronously and reads its output later: DeepEP's forward
-dispatch between compiled graphs (``async_finish``) runs behind the shared expert, which ``MoE.forward`` computes
-before the received rows are first read (``comm_overlap``).
+on the critical path, except where the code issues one asynchronously and reads its output later: DeepEP's
+transfers between compiled graphs (``async_finish``) run behind the shared expert, which ``MoE.forward`` computes
+between each transfer's start and its wait, forward and backward (``comm_overlap``).
 
 Host link: copies between the device and host memory (``OpCost.link == "host"``) cross the GPU's PCIe link at
 ``LINK_EFFICIENCY``. Activation offload's copies run on a side stream (hidden behind compute like FSDP's
@@ -72,7 +72,7 @@ class StepEstimate:
     host_overlapped_s: float = 0.0  # host-link copies on a side stream (activation offload)
     host_exposed_s: float = 0.0  # host-link copies on the compute stream (offloaded optimizer states)
     host_step_s: float = 0.0  # ops on host memory (the optimizer step over host shards), on the critical path
-    # Of exposed_s: what asynchronous calls (DeepEP's forward dispatch) spend behind compute (``comm_overlap``).
+    # Of exposed_s: what asynchronous calls (DeepEP's transfers) spend behind compute (``comm_overlap``).
     comm_overlap_s: float = 0.0
 
     @property
@@ -162,7 +162,7 @@ def cost_seconds(
 
 def comm_overlap(counts: StepCounts, *, gpu: GpuSpec, kernel_efficiency: float = KERNEL_EFFICIENCY) -> float:
     """Seconds of the blocking collectives that asynchronous calls spend behind compute: a call issued at cost ``at``
-    and first read at ``read_at`` (``CollectiveCall.read_at``: DeepEP's forward dispatch with ``async_finish``) runs
+    and first read at ``read_at`` (``CollectiveCall.read_at``: DeepEP's transfers with ``async_finish``) runs
     beside the compute in between, W seconds on its own. DeepEP's kernels hold ``DEEPEP_SMS`` of the GPU's SMs (a
     fraction f), so that compute runs on the rest: of a transfer of C seconds, min(W, (1 - f) C) leaves the critical
     path (all of W when it is the shorter; else the transfer's time less what it slowed the compute)."""

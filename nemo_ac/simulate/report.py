@@ -206,7 +206,7 @@ class PlanReport:
                 f"estimate | {estimate.gpu}:   compute {seconds(estimate.compute_s)} (most: {dominant}); FSDP comm {seconds(estimate.overlapped_s)} "
                 f"overlapped; blocking comm {seconds(estimate.exposed_s)}"
                 + (
-                    f" ({seconds(estimate.comm_overlap_s)} of it behind compute: async DeepEP dispatch)"
+                    f" ({seconds(estimate.comm_overlap_s)} of it behind compute: async DeepEP transfers)"
                     if estimate.comm_overlap_s
                     else ""
                 )

@@ -76,8 +76,8 @@ class RoutingAssumption:
 @dataclass(frozen=True)
 class DeepEPRouting:
     """What the counter needs to cost DeepEP's ops: top-k and experts (the round robin's destinations), and
-    ``async_dispatch``: the forward's dispatch is DeepEP's ``async_finish`` (the plan calls the ops between compiled
-    graphs: ``DeepEPDispatcher``), so the transfer runs behind the compute issued before its rows are first read."""
+    ``async_dispatch``: DeepEP's transfers are ``async_finish`` (the plan calls the ops between compiled graphs:
+    ``DeepEPDispatcher``), so each runs behind the compute issued before its rows are first read."""
 
     top_k: int
     num_experts: int
@@ -244,8 +244,8 @@ def install_assumed_routing(
     model: nn.Module, *, assumption: RoutingAssumption, ep_rank: int, async_dispatch: bool = False
 ) -> int:
     """Give every expert-parallel MoE layer the assumption's sizes (the all-to-all dispatcher's split sizes, DeepEP's
-    received tokens and local rows); returns how many layers use it. ``async_dispatch``: DeepEP's forward dispatch
-    is asynchronous in the planned run (between compiled graphs; the dry run itself compiles nothing)."""
+    received tokens and local rows); returns how many layers use it. ``async_dispatch``: DeepEP's transfers
+    are asynchronous in the planned run (between compiled graphs; the dry run itself compiles nothing)."""
     installed = 0
     replaced: dict[int, TwoPhaseDispatch] = {}
     for block in decoder_layers(model):

@@ -321,9 +321,10 @@ def simulate(recipe: RecipeConfig, layout: ParallelLayout, options: SimulationOp
         )
         if async_dispatch:
             assumptions.append(
-                f"DeepEP's forward dispatch asynchronous (async_finish, between compiled graphs): it runs behind the "
-                f"shared expert, computed before the received rows are first read, on {DEEPEP_SMS} of the GPU's SMs "
-                "(deep_ep.Buffer.num_sms), the compute on the rest; its backward and the combines block"
+                "DeepEP's transfers asynchronous (async_finish, between compiled graphs): the forward's dispatch "
+                "behind the shared expert's up-projection, its combine behind the down-projection, and their "
+                "backwards behind those projections' gradients, each on "
+                f"{DEEPEP_SMS} of the GPU's SMs (deep_ep.Buffer.num_sms), the compute on the rest"
             )
     tokens = recipe.train.global_batch_size * (
         recipe.data.max_length if recipe.data.kind == "medpix" else recipe.data.seq_len

@@ -4,8 +4,8 @@ term (``--memory-plot``, a PNG).
 The trace lays the counted step out on streams, each op and collective at its estimated duration (the estimate's
 roofline, ``simulate.estimate``): the compute stream runs the ops in order; FSDP's all-gathers and reduce-scatters
 run on their own stream from the moment they are issued, one after another; EP / CP collectives and the loop's
-all-reduces run on the communication stream while compute waits for them (they block; DeepEP's asynchronous forward dispatch
-does not: the op that first reads its rows waits for it, and the compute between is not drawn slowed by the SMs
+all-reduces run on the communication stream while compute waits for them (they block; DeepEP's asynchronous transfers
+do not: the op that first reads their rows waits for them, and the compute between is not drawn slowed by the SMs
 DeepEP holds); host-link copies run on the
 host stream (activation offload's and FSDP's shard copies overlapped, the optimizer-phase ones and the update on
 host memory blocking). Micro batches the dry run counted without running (they repeat the last one run) appear as one

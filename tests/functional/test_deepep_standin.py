@@ -43,13 +43,22 @@ def test_the_stand_in_follows_deepeps_documented_semantics(result) -> None:
 
 
 @pytest.mark.parametrize("ac", ["none", "selective", "selective_without_deepep", "full"])
-def test_deepep_stand_in_equals_the_torch_dispatcher_exactly(result, ac: str) -> None:
+@pytest.mark.parametrize("kind", ["deepep", "deepep_async"])
+def test_deepep_stand_in_equals_the_torch_dispatcher_exactly(result, kind: str, ac: str) -> None:
+    """``deepep_async``: the dispatcher as between compiled graphs, every transfer ``async_finish`` with the shared
+    expert between start and wait, forward and backward; the same gradients bitwise."""
     reference = cell(result, "torch", "none")
-    got = cell(result, "deepep", ac)
+    got = cell(result, kind, ac)
     assert got["adapter"] == "DeepEPDispatcher"
     assert got["params_compared"] == reference["nonzero_grads"] == 45 and got["expert_params"] == 4
     assert got["loss_diff"] == 0.0 and got["max_grad_diff"] == 0.0, got
     assert got["forward_calls"] == {"dispatch": MOE_LAYERS, "combine": MOE_LAYERS}
+    if kind == "deepep":
+        assert got["waits"] == got["async_backward"] == 0
+        return
+    # Two transfers per MoE layer forward and two backward, each waited for; a recompute that sends again waits again.
+    recomputed = 2 * MOE_LAYERS if ac in ("selective_without_deepep", "full") else 0
+    assert got["async_backward"] == 2 * MOE_LAYERS and got["waits"] == 4 * MOE_LAYERS + recomputed, got
 
 
 def test_selective_recompute_makes_no_deepep_call(result) -> None:
@@ -60,7 +69,8 @@ def test_selective_recompute_makes_no_deepep_call(result) -> None:
 
 
 def test_without_the_policy_listing_the_ops_the_recompute_communicates(result) -> None:
-    for ac in ("selective_without_deepep", "full"):
-        got = cell(result, "deepep", ac)
-        assert got["recompute_calls"] == {"dispatch": MOE_LAYERS, "combine": MOE_LAYERS}, (ac, got)
+    for kind in ("deepep", "deepep_async"):
+        for ac in ("selective_without_deepep", "full"):
+            got = cell(result, kind, ac)
+            assert got["recompute_calls"] == {"dispatch": MOE_LAYERS, "combine": MOE_LAYERS}, (kind, ac, got)
     assert cell(result, "torch", "selective")["max_grad_diff"] == 0.0

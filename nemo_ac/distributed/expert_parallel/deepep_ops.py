@@ -17,9 +17,19 @@ combine", and the reverse):
   ``combine(grad_recv_x, handle, topk_weights=grad_recv_weights)``.
 - ``deepep_combine(x, handle)`` -> ``combined``: ``combine(x, handle)``. Backward: ``deepep_combine_backward``.
 - ``deepep_combine_backward(grad, handle)`` -> ``grad_x``: ``dispatch(grad, handle=handle)`` (the cached layout).
-- ``deepep_dispatch_wait(handle)``: after ``deepep_dispatch(..., async_finish=True)``, the compute stream waits for
-  the transfer (DeepEP's ``EventOverlap.current_stream_wait``). Between the two, the compute stream runs what does
-  not need the received rows (the shared expert: ``MoE.forward``), as DeepEP's README overlaps communication.
+- ``deepep_dispatch_wait(handle)`` / ``deepep_combine_wait(handle)``: after ``deepep_dispatch`` or ``deepep_combine``
+  with ``async_finish=True``, the compute stream waits for the transfer (DeepEP's ``EventOverlap.current_stream_wait``).
+  Between the two, the compute stream runs what does not need the transfer's rows (the shared expert:
+  ``MoE.forward``), as DeepEP's README overlaps communication.
+
+Asynchronous backward. Where the forward's ops were asynchronous, so are their backwards, split in two ops:
+``deepep_dispatch_backward_start`` / ``deepep_combine_backward_start`` issue the transfer (``async_finish``) and keep
+its outputs in a registry under the handle; ``deepep_dispatch_backward_finish`` / ``deepep_combine_backward_finish``
+wait for it and return them. The start runs in the backward of the forward's *wait*
+(``deepep_dispatcher.DispatchArrived`` / ``CombineArrived``: identity functions on the transferred rows), the finish
+in the op's own backward: autograd runs nodes newest first, so what the forward computed between the op and its wait
+(the shared expert) has its backward run between start and finish, while the gradients travel. The finish does the
+transfer itself when no start ran (an op called with ``async_finish`` outside the dispatcher).
 
 The received token count is data-dependent: the fake impl of ``deepep_dispatch`` gives ``recv_x`` an unbacked size
 (``torch.library.get_ctx().new_dynamic_size()``); every later op takes its sizes from tensors or int arguments. The
@@ -71,6 +81,9 @@ class BufferSource(Protocol):
 _SOURCES: weakref.WeakValueDictionary[int, BufferSource] = weakref.WeakValueDictionary()
 _HANDLES: dict[int, Any] = {}
 _PENDING: dict[int, Any] = {}  # handle key -> the DeepEP event of a dispatch still in flight (async_finish)
+_PENDING_COMBINE: dict[int, Any] = {}  # handle key -> the event of the forward combine still in flight
+# (direction, handle key) -> (outputs, event, inputs kept alive) of a backward transfer started and not yet finished
+_EARLY_GRADS: dict[tuple[str, int], tuple[tuple[torch.Tensor, ...], Any, tuple[torch.Tensor, ...]]] = {}
 _KEYS = itertools.count(1)
 _ASSUMED_RECEIVED: dict[int, int] = {}  # buffers key -> tokens a dispatch receives, said by the dry run
 
@@ -100,6 +113,9 @@ def buffer_source(key: int) -> BufferSource:
 def _release(key: int) -> None:
     _HANDLES.pop(key, None)
     _PENDING.pop(key, None)
+    _PENDING_COMBINE.pop(key, None)
+    for direction in ("dispatch", "combine"):
+        _EARLY_GRADS.pop((direction, key), None)
 
 
 def _hold_handle(handle: Any, *, event: Any = None) -> torch.Tensor:
@@ -128,6 +144,11 @@ def _handle(token: torch.Tensor) -> Any:
 def live_handles() -> int:
     """Handles held right now (tests check that none leak)."""
     return len(_HANDLES)
+
+
+def transfers_in_flight() -> int:
+    """Asynchronous transfers issued and not yet waited for (tests check that none is left after a step)."""
+    return len(_PENDING) + len(_PENDING_COMBINE) + len(_EARLY_GRADS)
 
 
 # --- dispatch -------------------------------------------------------------------------------------------------
@@ -187,11 +208,20 @@ def deepep_dispatch_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward of dispatch: the received rows' gradients summed back onto their source tokens ([T, H], and the
     weights' gradients [T, k] fp32)."""
-    buffer = buffer_source(buffers_key).get(grad_recv_x)
-    grad_x, grad_weights, _ = buffer.combine(
-        grad_recv_x.contiguous(), _handle(handle), topk_weights=grad_recv_weights.float().contiguous()
+    grad_x, grad_weights, _ = _combine_gradients(
+        grad_recv_x, grad_recv_weights, handle, buffers_key, async_finish=False
     )
     return grad_x, grad_weights
+
+
+def _combine_gradients(grad_recv_x, grad_recv_weights, handle, buffers_key: int, *, async_finish: bool) -> tuple:
+    buffer = buffer_source(buffers_key).get(grad_recv_x)
+    return buffer.combine(
+        grad_recv_x.contiguous(),
+        _handle(handle),
+        topk_weights=grad_recv_weights.float().contiguous(),
+        async_finish=async_finish,
+    )
 
 
 @deepep_dispatch_backward.register_fake
@@ -202,18 +232,71 @@ def _(grad_recv_x, grad_recv_weights, handle, buffers_key, num_tokens):
     )
 
 
+@torch.library.custom_op("nemo_ac::deepep_dispatch_backward_start", mutates_args=())
+def deepep_dispatch_backward_start(
+    grad_recv_x: torch.Tensor, grad_recv_weights: torch.Tensor, handle: torch.Tensor, buffers_key: int, num_tokens: int
+) -> None:
+    """``deepep_dispatch_backward``'s transfer issued with ``async_finish``: its outputs wait in the registry for
+    ``deepep_dispatch_backward_finish`` (module docstring, "Asynchronous backward")."""
+    grad_x, grad_weights, event = _combine_gradients(
+        grad_recv_x, grad_recv_weights, handle, buffers_key, async_finish=True
+    )
+    _EARLY_GRADS[("dispatch", int(handle))] = ((grad_x, grad_weights), event, (grad_recv_x, grad_recv_weights))
+
+
+@deepep_dispatch_backward_start.register_fake
+def _(grad_recv_x, grad_recv_weights, handle, buffers_key, num_tokens):
+    return None
+
+
+def _take_early(direction: str, handle: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    early = _EARLY_GRADS.pop((direction, int(handle)), None)
+    if early is None:
+        return None
+    outputs, event, _inputs = early
+    event.current_stream_wait()
+    return outputs
+
+
+@torch.library.custom_op("nemo_ac::deepep_dispatch_backward_finish", mutates_args=())
+def deepep_dispatch_backward_finish(
+    grad_recv_x: torch.Tensor, grad_recv_weights: torch.Tensor, handle: torch.Tensor, buffers_key: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs of the started ``deepep_dispatch_backward_start`` once they have arrived (the compute stream
+    waits for them here); without a start, ``deepep_dispatch_backward`` itself."""
+    early = _take_early("dispatch", handle)
+    if early is None:
+        grad_x, grad_weights, _ = _combine_gradients(
+            grad_recv_x, grad_recv_weights, handle, buffers_key, async_finish=False
+        )
+        return grad_x, grad_weights
+    return early[0], early[1]
+
+
+@deepep_dispatch_backward_finish.register_fake
+def _(grad_recv_x, grad_recv_weights, handle, buffers_key, num_tokens):
+    return (
+        grad_recv_x.new_empty(num_tokens, grad_recv_x.shape[1]),
+        grad_recv_weights.new_empty(num_tokens, grad_recv_weights.shape[1], dtype=torch.float32),
+    )
+
+
 def _dispatch_setup_context(ctx, inputs, output) -> None:
-    x, _topk_idx, _topk_weights, buffers_key, *_ = inputs
+    x, _topk_idx, _topk_weights, buffers_key, _num_experts, *rest = inputs
     ctx.save_for_backward(output[3])
     ctx.buffers_key = buffers_key
     ctx.num_tokens = x.shape[0]
+    ctx.async_finish = bool(rest[0]) if rest else False
 
 
 def _dispatch_backward(ctx, grad_recv_x, _grad_idx, grad_recv_weights, _grad_handle):
     (handle,) = ctx.saved_tensors
-    grad_x, grad_weights = torch.ops.nemo_ac.deepep_dispatch_backward(
-        grad_recv_x, grad_recv_weights, handle, ctx.buffers_key, ctx.num_tokens
+    backward = (
+        torch.ops.nemo_ac.deepep_dispatch_backward_finish
+        if ctx.async_finish
+        else torch.ops.nemo_ac.deepep_dispatch_backward
     )
+    grad_x, grad_weights = backward(grad_recv_x, grad_recv_weights, handle, ctx.buffers_key, ctx.num_tokens)
     return grad_x, None, grad_weights, None, None, None
 
 
@@ -238,17 +321,35 @@ def _(handle):
 
 
 @torch.library.custom_op("nemo_ac::deepep_combine", mutates_args=())
-def deepep_combine(x: torch.Tensor, handle: torch.Tensor, buffers_key: int, num_tokens: int) -> torch.Tensor:
+def deepep_combine(
+    x: torch.Tensor, handle: torch.Tensor, buffers_key: int, num_tokens: int, async_finish: bool = False
+) -> torch.Tensor:
     """x [R, H] (one row per received token, already weighted) -> [T, H]: each token's rows from every rank it went
-    to, summed (DeepEP's combine adds without weights)."""
+    to, summed (DeepEP's combine adds without weights). ``async_finish``: nothing may read the output before
+    ``deepep_combine_wait(handle)``."""
     buffer = buffer_source(buffers_key).get(x)
-    combined, _, _ = buffer.combine(x.contiguous(), _handle(handle))
+    combined, _, event = buffer.combine(x.contiguous(), _handle(handle), async_finish=async_finish)
+    if async_finish:
+        _PENDING_COMBINE[int(handle)] = event
     return combined
 
 
 @deepep_combine.register_fake
-def _(x, handle, buffers_key, num_tokens):
+def _(x, handle, buffers_key, num_tokens, async_finish=False):
     return x.new_empty(num_tokens, x.shape[1])
+
+
+@torch.library.custom_op("nemo_ac::deepep_combine_wait", mutates_args=())
+def deepep_combine_wait(handle: torch.Tensor) -> None:
+    """The compute stream waits for the forward combine of ``handle`` (``async_finish``); as ``deepep_dispatch_wait``."""
+    event = _PENDING_COMBINE.pop(int(handle), None)
+    if event is not None:
+        event.current_stream_wait()
+
+
+@deepep_combine_wait.register_fake
+def _(handle):
+    return None
 
 
 @torch.library.custom_op("nemo_ac::deepep_combine_backward", mutates_args=())
@@ -256,9 +357,13 @@ def deepep_combine_backward(
     grad: torch.Tensor, handle: torch.Tensor, buffers_key: int, num_received: int
 ) -> torch.Tensor:
     """The backward of combine: each token's gradient sent again to every rank it went to ([R, H])."""
+    return _dispatch_gradient(grad, handle, buffers_key, async_finish=False)[0]
+
+
+def _dispatch_gradient(grad, handle, buffers_key: int, *, async_finish: bool) -> tuple:
     buffer = buffer_source(buffers_key).get(grad)
-    recv_grad, *_ = buffer.dispatch(grad.contiguous(), handle=_handle(handle))
-    return recv_grad
+    recv_grad, *_, event = buffer.dispatch(grad.contiguous(), handle=_handle(handle), async_finish=async_finish)
+    return recv_grad, event
 
 
 @deepep_combine_backward.register_fake
@@ -266,21 +371,70 @@ def _(grad, handle, buffers_key, num_received):
     return grad.new_empty(num_received, grad.shape[1])
 
 
+@torch.library.custom_op("nemo_ac::deepep_combine_backward_start", mutates_args=())
+def deepep_combine_backward_start(
+    grad: torch.Tensor, handle: torch.Tensor, buffers_key: int, num_received: int
+) -> None:
+    """``deepep_combine_backward``'s transfer issued with ``async_finish``; ``deepep_combine_backward_finish`` takes
+    its output."""
+    recv_grad, event = _dispatch_gradient(grad, handle, buffers_key, async_finish=True)
+    _EARLY_GRADS[("combine", int(handle))] = ((recv_grad,), event, (grad,))
+
+
+@deepep_combine_backward_start.register_fake
+def _(grad, handle, buffers_key, num_received):
+    return None
+
+
+@torch.library.custom_op("nemo_ac::deepep_combine_backward_finish", mutates_args=())
+def deepep_combine_backward_finish(
+    grad: torch.Tensor, handle: torch.Tensor, buffers_key: int, num_received: int
+) -> torch.Tensor:
+    """The output of the started ``deepep_combine_backward_start`` once it has arrived; without a start,
+    ``deepep_combine_backward`` itself."""
+    early = _take_early("combine", handle)
+    if early is None:
+        return _dispatch_gradient(grad, handle, buffers_key, async_finish=False)[0]
+    return early[0]
+
+
+@deepep_combine_backward_finish.register_fake
+def _(grad, handle, buffers_key, num_received):
+    return grad.new_empty(num_received, grad.shape[1])
+
+
 def _combine_setup_context(ctx, inputs, output) -> None:
-    x, handle, buffers_key, _ = inputs
+    x, handle, buffers_key, _num_tokens, *rest = inputs
     ctx.save_for_backward(handle)
     ctx.buffers_key = buffers_key
     ctx.num_received = x.shape[0]
+    ctx.async_finish = bool(rest[0]) if rest else False
 
 
 def _combine_backward(ctx, grad):
     (handle,) = ctx.saved_tensors
-    return torch.ops.nemo_ac.deepep_combine_backward(grad, handle, ctx.buffers_key, ctx.num_received), None, None, None
+    backward = (
+        torch.ops.nemo_ac.deepep_combine_backward_finish
+        if ctx.async_finish
+        else torch.ops.nemo_ac.deepep_combine_backward
+    )
+    return backward(grad, handle, ctx.buffers_key, ctx.num_received), None, None, None, None
 
 
 deepep_combine.register_autograd(_combine_backward, setup_context=_combine_setup_context)
 
 
 # Data movement only: FlopCounterMode and nemo-ac plan count DeepEP's dispatch / combine as 0 FLOPs, by formula.
-for _op in (deepep_dispatch, deepep_dispatch_backward, deepep_combine, deepep_combine_backward, deepep_dispatch_wait):
+for _op in (
+    deepep_dispatch,
+    deepep_dispatch_backward,
+    deepep_dispatch_backward_start,
+    deepep_dispatch_backward_finish,
+    deepep_dispatch_wait,
+    deepep_combine,
+    deepep_combine_backward,
+    deepep_combine_backward_start,
+    deepep_combine_backward_finish,
+    deepep_combine_wait,
+):
     register_op_flops(getattr(torch.ops.nemo_ac, _op._name.split("::")[-1]), zero_flops)

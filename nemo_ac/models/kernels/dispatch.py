@@ -138,7 +138,8 @@ class TwoPhaseDispatch:
     ``dispatch_finish`` is the first code that reads what arrived (an asynchronous transfer is waited for here) and
     returns ``(rows, tokens_per_expert, ctx)``. ``MoE.forward`` runs the shared expert between the two where
     ``async_dispatch`` says the transfer runs beside the compute stream (elsewhere the shared expert's output would
-    only live longer: GLM-4.5-Air's peak grew 0.3 GiB)."""
+    only live longer: GLM-4.5-Air's peak grew 0.3 GiB); there the combine is two calls as well (``combine_start`` /
+    ``combine_finish``), with the shared expert's ``down_proj`` between."""
 
     async_dispatch: bool = False
 
@@ -155,6 +156,17 @@ class TwoPhaseDispatch:
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Both phases at once."""
         return self.dispatch_finish(self.dispatch_start(hidden, top_idx, num_experts, top_scores=top_scores))
+
+    def combine(self, expert_out: torch.Tensor, top_scores: torch.Tensor, ctx: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine_start(self, expert_out: torch.Tensor, top_scores: torch.Tensor, ctx: Any) -> Any:
+        """The combine in two calls, as the dispatch (``combine_finish`` is the first read of what came home); here
+        both at once, ``combine_finish`` returning the result."""
+        return self.combine(expert_out, top_scores, ctx)
+
+    def combine_finish(self, pending: Any) -> torch.Tensor:
+        return pending
 
 
 class LocalDispatcher(TwoPhaseDispatch):

@@ -9,13 +9,15 @@ shared experts and ``fc1/fc2_latent_proj``) subclass ``MoE`` and override the th
 ``project_out`` and ``shared_mlp``; ``gate`` / ``experts`` / ``dispatcher`` and ``forward`` stay common, so the
 parallelizer treats every family alike.
 
-The shared expert runs in two parts (``shared_start`` / ``shared_finish``). Where the dispatch is asynchronous
+The shared expert runs in two parts (``shared_start`` / ``shared_finish``). Where the transfers are asynchronous
 (``TwoPhaseDispatch.async_dispatch``: DeepEP between compiled graphs), everything before its ``down_proj`` runs between
-the dispatch's start and finish, where it reads no routed row and so runs while the tokens travel; elsewhere after
-the combine. Its ``down_proj`` comes last either way. Last, because a full-AC recompute stops
-once every tensor the backward needs is back (``torch.utils.checkpoint``'s early stop): the block's last GEMM is
-never run again. Run whole before the finish, the shared expert's ``down_proj`` was recomputed in its place: Nemotron
-Super's step at Automodel's benchmark shape recomputed 0.06 s more GEMMs than the dispatch it hid.
+the dispatch's start and finish, where it reads no routed row and so runs while the tokens travel, and its
+``down_proj`` between the combine's start and finish, while the expert rows go home; the backward overlaps the same
+pairs (``deepep_dispatcher.DispatchArrived``). Elsewhere the shared expert runs after the combine. Its ``down_proj``
+never runs first: a full-AC recompute stops once every tensor the backward needs is back
+(``torch.utils.checkpoint``'s early stop), so the block's last GEMM is never run again. Run whole before the
+dispatch's finish, the shared expert's ``down_proj`` was recomputed in its place: Nemotron Super's step at
+Automodel's benchmark shape recomputed 0.06 s more GEMMs than the dispatch it hid.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ class Dispatcher(Protocol):
     def dispatch_finish(self, pending: Any) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
 
     def combine(self, expert_out: torch.Tensor, top_scores: torch.Tensor, ctx: Any) -> torch.Tensor: ...
+
+    def combine_start(self, expert_out: torch.Tensor, top_scores: torch.Tensor, ctx: Any) -> Any: ...
+
+    def combine_finish(self, pending: Any) -> torch.Tensor: ...
 
 
 class MoE(nn.Module):
@@ -159,11 +165,16 @@ class MoE(nn.Module):
         shared_hidden = self.shared_start(flat) if overlap else None
         rows, tokens_per_expert, ctx = self.dispatcher.dispatch_finish(pending)
         expert_out = self.experts(rows, tokens_per_expert)
-        out = self.project_out(self.dispatcher.combine(expert_out, top_scores, ctx))
-        if not overlap:
+        if overlap:  # the shared expert's down_proj while the expert rows go home
+            combining = self.dispatcher.combine_start(expert_out, top_scores, ctx)
+            shared = self.shared_finish(flat, shared_hidden) if shared_hidden is not None else None
+            out = self.project_out(self.dispatcher.combine_finish(combining))
+        else:
+            out = self.project_out(self.dispatcher.combine(expert_out, top_scores, ctx))
             shared_hidden = self.shared_start(flat)
-        if shared_hidden is not None:
-            out = out + self.shared_finish(flat, shared_hidden)
+            shared = self.shared_finish(flat, shared_hidden) if shared_hidden is not None else None
+        if shared is not None:
+            out = out + shared
         stats = RouterStats(
             tokens_per_expert=count_per_expert(top_idx.detach(), self.num_experts).float(),
             prob_sum=probs.sum(dim=0),

@@ -36,6 +36,7 @@ from nemo_ac.distributed.activation_checkpointing import (
 )
 from nemo_ac.distributed.blocks import decoder_layers, routed_moe
 from nemo_ac.distributed.expert_parallel import apply_ep
+from nemo_ac.distributed.expert_parallel.deepep_dispatcher import DeepEPDispatcher
 from nemo_ac.distributed.plan import decide_plan
 from nemo_ac.models import build_model
 from nemo_ac.models.init import materialize_and_init
@@ -128,12 +129,27 @@ class RecomputeCounter:
 def build(kind: str, ac: str, ep_mesh, counter: RecomputeCounter):
     cfg = nemotron_config()
     model = build_model(cfg)
+    deepep = kind.startswith("deepep")
     plan = decide_plan(
-        model, model_config=cfg, parallel=ParallelConfig(ep=2), backend=BackendConfig(dispatcher=kind), ep=2
+        model,
+        model_config=cfg,
+        parallel=ParallelConfig(ep=2),
+        backend=BackendConfig(dispatcher="deepep" if deepep else kind),
+        ep=2,
     )
-    apply_ep(model, plan=plan, ep_mesh=ep_mesh, deepep_buffer_cls=GlooDeepEPBufferStandIn if kind == "deepep" else None)
+    apply_ep(model, plan=plan, ep_mesh=ep_mesh, deepep_buffer_cls=GlooDeepEPBufferStandIn if deepep else None)
     blocks = decoder_layers(model)
-    dispatcher = next(routed_moe(block) for block in blocks if routed_moe(block) is not None).dispatcher
+    moes = [moe for block in blocks if (moe := routed_moe(block)) is not None]
+    dispatcher = moes[0].dispatcher
+    if kind == "deepep_async":  # as between compiled graphs: every transfer async_finish, the shared expert between
+        dispatcher = DeepEPDispatcher(
+            group=dispatcher.group,
+            num_experts=dispatcher.num_experts,
+            between_compiled_graphs=True,
+            buffer_cls=GlooDeepEPBufferStandIn,
+        )
+        for moe in moes:
+            moe.set_dispatcher(dispatcher)
     counter.buffers = getattr(dispatcher, "buffers", None)
     if ac != "none":
         rules = PolicyRules.build(SelectiveACConfig())
@@ -183,6 +199,7 @@ def train_step(kind: str, ac: str, ep_mesh, rank: int) -> dict:
         "backward": dict(collections.Counter(calls) - forward),
         "recompute": dict(counter.calls),
         "dispatcher": type(dispatcher).__name__,
+        "log": list(counter.buffers.buffer.log) if counter.buffers is not None else [],
     }
 
 
@@ -207,6 +224,7 @@ def parity(rank: int) -> list[dict]:
         ("deepep", "selective"),
         ("deepep", "selective_without_deepep"),
         ("deepep", "full"),
+        *(("deepep_async", ac) for ac in ("none", "selective", "selective_without_deepep", "full")),
     ]:
         got = train_step(kind, ac, ep_mesh, rank)
         assert got["grads"].keys() == reference["grads"].keys()
@@ -223,6 +241,10 @@ def parity(rank: int) -> list[dict]:
                 "backward_calls": got["backward"],
                 "recompute_calls": got["recompute"],
                 "adapter": got["dispatcher"],
+                "waits": got["log"].count("wait"),
+                "async_backward": sum(
+                    entry.startswith(("dispatch(handle, ", "combine(topk_weights, ")) for entry in got["log"]
+                ),
             }
         )
     return cells

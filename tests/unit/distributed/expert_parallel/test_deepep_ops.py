@@ -222,12 +222,23 @@ def test_the_stand_in_refuses_rank_counts_deepep_has_no_config_for(world) -> Non
         GlooDeepEPBufferStandIn.get_dispatch_config(6)
 
 
-def test_between_compiled_graphs_the_shared_expert_runs_while_the_dispatch_is_in_flight(world) -> None:
-    """Between compiled graphs the forward's dispatch is DeepEP's ``async_finish``: ``MoE.forward`` runs the shared
-    expert's first projection before ``dispatch_finish`` waits for the transfer (the received rows are first read
-    after the wait) and its ``down_proj`` last. The stand-in logs the forward's calls in order (its event logs the
-    wait). A full-AC recompute dispatches and waits again and stops before the last GEMM; a selective one replays the
-    saved dispatch and has nothing to wait for. Gradients equal the local dispatcher's bitwise."""
+OVERLAPPED_BACKWARD = [
+    "dispatch(handle, async_finish)", "shared down backward", "wait",
+    "combine(topk_weights, async_finish)", "shared up backward", "wait",
+]  # fmt: skip
+
+
+def forward_async() -> list[str]:
+    return ["dispatch(async_finish)", "shared up", "wait", "combine(async_finish)", "shared down", "wait"]
+
+
+def test_between_compiled_graphs_the_shared_expert_runs_while_the_transfers_are_in_flight(world) -> None:
+    """Between compiled graphs every transfer is DeepEP's ``async_finish``: ``MoE.forward`` runs the shared
+    expert's first projection before ``dispatch_finish`` waits for the dispatch (the received rows are first read
+    after the wait), and its ``down_proj`` before ``combine_finish`` waits for the combine. The backward issues each
+    transfer from the wait's backward and waits in the op's, with the shared expert's other half between (autograd
+    runs nodes newest first). The stand-in logs the calls in order (its events log the waits), module hooks the
+    shared expert's forward and backward. Gradients equal the local dispatcher's bitwise, with and without AC."""
     from nemo_ac.config.schema import MoEConfig
     from nemo_ac.models.layers.moe import MoE
 
@@ -248,6 +259,8 @@ def test_between_compiled_graphs_the_shared_expert_runs_while_the_dispatch_is_in
         # Forward hooks: they run once the module has computed (a recompute stopped inside one never gets there).
         moe.shared_expert.up_proj.register_forward_hook(lambda *_: log.append("shared up"))
         moe.shared_expert.down_proj.register_forward_hook(lambda *_: log.append("shared down"))
+        moe.shared_expert.up_proj.register_full_backward_hook(lambda *_: log.append("shared up backward"))
+        moe.shared_expert.down_proj.register_full_backward_hook(lambda *_: log.append("shared down backward"))
         x = torch.randn(TOKENS, H, generator=torch.Generator().manual_seed(2), requires_grad=True)
         call = (lambda t: moe(t)[0]) if not (context_fn or full_ac) else checkpointed(lambda t: moe(t)[0], context_fn)
         out = call(x)
@@ -257,23 +270,26 @@ def test_between_compiled_graphs_the_shared_expert_runs_while_the_dispatch_is_in
 
     _, _, want = train(moe_with(LocalDispatcher()))
     forward, backward, got = train(moe_with(deepep(world, between_compiled_graphs=True)))
-    assert forward == ["dispatch(async_finish)", "shared up", "wait", "combine", "shared down"]
-    assert backward == []
+    assert forward == ["dispatch(async_finish)", "shared up", "wait", "combine(async_finish)", "shared down", "wait"]
+    # Backward: each transfer issued, the shared expert's other half computed, then the wait.
+    assert backward == OVERLAPPED_BACKWARD
     assert_exact(got, want)
-    forward, _, _ = train(moe_with(deepep(world, between_compiled_graphs=False)))
+    forward, backward, _ = train(moe_with(deepep(world, between_compiled_graphs=False)))
     assert forward == ["dispatch", "combine", "shared up", "shared down"]  # synchronous: the shared expert after
+    assert backward == ["shared down backward", "shared up backward", "dispatch(handle)", "combine(topk_weights)"]
     _, backward, got = train(moe_with(deepep(world, between_compiled_graphs=True)), full_ac=True)
-    # The recompute stops once the backward has what it needs (checkpoint's early stop: the last GEMM's inputs are
-    # saved before its kernel would run, and that save ends the recompute).
-    assert backward == ["dispatch(async_finish)", "shared up", "wait", "combine"]
+    # The recompute runs up to the combine's wait (its node saves the handle): the shared down_proj with it.
+    assert backward == [*forward_async(), *OVERLAPPED_BACKWARD]
     assert_exact(got, want)
     _, backward, got = train(moe_with(deepep(world, between_compiled_graphs=True)), context_fn=selective())
-    assert backward == ["shared up"]  # the saved dispatch and combine are replayed: nothing in flight to wait for
+    # The saved dispatch, combine and GEMMs are replayed: nothing in flight to wait for.
+    assert backward == ["shared up", "shared down", *OVERLAPPED_BACKWARD]
     assert_exact(got, want)
-    # save_communication false (the Nemotron recipe's MoE blocks): the recompute dispatches, overlaps and waits again.
+    # save_communication false: the recompute dispatches, overlaps and waits again.
     _, backward, got = train(moe_with(deepep(world, between_compiled_graphs=True)),
                              context_fn=selective(without_deepep=True))  # fmt: skip
-    assert backward == ["dispatch(async_finish)", "shared up", "wait", "combine"]
+    assert backward == [*forward_async(), *OVERLAPPED_BACKWARD]
     assert_exact(got, want)
+    assert deepep_ops.transfers_in_flight() == 0
     gc.collect()
     assert deepep_ops.live_handles() == 0
