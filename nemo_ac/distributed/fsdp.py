@@ -68,6 +68,15 @@ def cast_masters(model: nn.Module, dtype: torch.dtype) -> int:
     return len(cast)
 
 
+def fp32_router_policy() -> MixedPrecisionPolicy:
+    """An fp32 router's unit: fp32 weights gathered and gradients reduced, its input left as it comes. The router
+    casts what its GEMM needs (``models.layers.router``), and its bf16x3 GEMM takes bf16 hidden states as they are:
+    FSDP's input cast (``cast_forward_inputs``) made them an fp32 copy ([tokens, hidden] per MoE block) and hid from
+    the router that they were bf16, so an fp32 GEMM ran on CUDA cores (0.28 s of Nemotron Super's step at
+    Automodel's shape, by the dry run)."""
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
 def apply_fsdp(
     model: nn.Module, *, plan: ParallelPlan, dense_mesh: DeviceMesh, expert_mesh: DeviceMesh
 ) -> list[FSDPModule]:
@@ -88,7 +97,7 @@ def apply_fsdp(
         CPUOffloadPolicy(pin_memory=fsdp.pin_host_memory) if fsdp.parameters_on_host else OffloadPolicy()
     )
     mp = MixedPrecisionPolicy(param_dtype=torch_dtype(fsdp.param_dtype), reduce_dtype=torch_dtype(fsdp.reduce_dtype))
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    fp32 = fp32_router_policy()
     units: list[FSDPModule] = []
     block_units: list[FSDPModule] = []
     nested_by_block: list[list[FSDPModule]] = []
