@@ -132,6 +132,8 @@ for row in "qwen3_moe qwen3_moe_tiny" "qwen3_6_medpix qwen3_6_medpix_tiny parall
 done
 step_bg attention_kernels_cuda 200 "$PY" benchmarks/attention_kernels_cuda.py
 step_bg mixer_kernels_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/models/kernels/test_mixer_kernels_cuda.py
+step_bg router_bf16x3_cuda 120 "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/models/kernels/test_bf16x3_linear.py \
+  -k cuda
 step_bg offload_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/distributed/test_offload.py -k cuda
 step_bg host_optimizer_states_cuda 200 "$PY" -m pytest -q -rs -p no:cacheprovider \
   tests/unit/trainer/test_host_optimizer_states.py -k cuda

@@ -48,6 +48,7 @@ NOT_FROM_CONFIG = frozenset(
         "moe.bias_update_rate",
         "moe.separate_fsdp_unit",
         "moe.experts_impl",
+        "moe.router_gemm",
         "linear_attention.chunk_size",
     }
 )

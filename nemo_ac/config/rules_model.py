@@ -51,6 +51,7 @@ def check_experts(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:
             )
         )
     issues += _grouped_mm_alignment(recipe)
+    issues += _router_gemm(recipe)
     if recipe.parallel.ep > 1 and not moe.separate_fsdp_unit:
         issues.append(
             ConfigIssue(
@@ -87,6 +88,23 @@ def _grouped_mm_alignment(recipe: RecipeConfig) -> list[ConfigIssue]:
             f"{listed}; set model.moe.experts_impl: auto (falls back to loop) or loop",
         )
     ]
+
+
+def _router_gemm(recipe: RecipeConfig) -> list[ConfigIssue]:
+    """An explicit ``router_gemm: bf16x3`` where no fp32 router multiplies bf16 hidden states."""
+    moe = recipe.model.moe
+    if moe.router_gemm != "bf16x3":
+        return []
+    if moe.router_dtype != "float32":
+        why = "the router runs in the parameter dtype (model.moe.router_dtype: param), with no fp32 GEMM to split"
+        fix = "set model.moe.router_dtype: float32 or router_gemm: auto"
+    elif recipe.parallel.fsdp.param_dtype != "bfloat16":
+        why = (f"it splits the fp32 weight for bf16 hidden states, and parallel.fsdp.param_dtype is "
+               f"{recipe.parallel.fsdp.param_dtype}")  # fmt: skip
+        fix = "set parallel.fsdp.param_dtype: bfloat16 or model.moe.router_gemm: auto"
+    else:
+        return []
+    return [ConfigIssue("model.moe.router_gemm", f"bf16x3 does not apply: {why}; {fix}")]
 
 
 def check_model_shape(recipe: RecipeConfig, world_size: int) -> list[ConfigIssue]:

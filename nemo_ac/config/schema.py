@@ -47,6 +47,12 @@ class MoEConfig:
     latent_size: int = 0
     # Keep the router weight and its math in fp32 (its own nested FSDP unit when param dtype differs).
     router_dtype: Literal["float32", "param"] = "param"
+    # How an fp32 router (router_dtype: float32) multiplies bf16 hidden states by its fp32 weight. float32: one fp32
+    # GEMM (CUDA cores on a GPU). bf16x3: the weight as the exact sum of three bf16 pieces, three bf16 tensor-core
+    # GEMMs with fp32 accumulation, the fp32 GEMM's result up to the order of additions (needs
+    # parallel.fsdp.param_dtype: bfloat16). auto: bf16x3 on CUDA with bf16 compute, float32 elsewhere; the plan
+    # prints its choice. docs/experts.md.
+    router_gemm: Literal["auto", "float32", "bf16x3"] = "auto"
     # Experts as a separate (nested) FSDP unit inside the block: the layout that exposes the SAC desync.
     separate_fsdp_unit: bool = True
     # Routed-expert GEMMs. grouped_mm: one torch._grouped_mm per projection over expert-sorted rows, offsets on the

@@ -43,7 +43,13 @@ def model_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
-def build_model(cfg: ModelConfig, *, experts_impl: str | None = None, device: torch.device | str = "meta") -> nn.Module:
+def build_model(
+    cfg: ModelConfig,
+    *,
+    experts_impl: str | None = None,
+    router_gemm: str | None = None,
+    device: torch.device | str = "meta",
+) -> nn.Module:
     """Builds the family's causal LM on ``device`` (meta by default: no memory, no init cost). ``experts_impl``:
     the experts kernel the plan chose (``KernelPlan.experts``), built in place of ``cfg.moe.experts_impl`` (the
     recipe keeps what the user wrote, ``auto`` included)."""
@@ -54,5 +60,7 @@ def build_model(cfg: ModelConfig, *, experts_impl: str | None = None, device: to
         )
     if experts_impl is not None:
         cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, experts_impl=experts_impl))
+    if router_gemm is not None and router_gemm != "param":
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, router_gemm=router_gemm))
     with torch.device(device):
         return builder(cfg)

@@ -110,8 +110,11 @@ class StepEstimate:
         return self.executed_flops / (self.step_s * self.peak_flops) if self.step_s else 0.0
 
 
-# Ops that are one dense GEMM each (cuBLAS): the op class MATMUL_EFFICIENCY applies to.
-DENSE_GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm"})
+# Ops that are dense GEMMs (cuBLAS): the op class MATMUL_EFFICIENCY applies to. The fp32 router's bf16x3 ops are
+# one cuBLAS GEMM each, over the three weight pieces stacked (models.kernels.bf16x3_linear).
+DENSE_GEMMS = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm", "bf16x3_linear", "bf16x3_linear_backward"}
+)
 
 
 def _within_node(ranks: tuple[int, ...], per_node: int) -> bool:

@@ -127,7 +127,7 @@ def planned_model(
     ``build_parallel_model`` applies, from the same code. ``kernels``: left out, ``recipe_kernels`` for
     ``device_type`` (the one resolution of ``auto``; the recipe itself is never rewritten with the choices)."""
     kernels = kernels if kernels is not None else recipe_kernels(recipe, device_type=device_type)
-    model = build_model(recipe.model, experts_impl=kernels.experts.value)
+    model = build_model(recipe.model, experts_impl=kernels.experts.value, router_gemm=kernels.router.value)
     plan = decide_recipe_plan(
         model,
         recipe,

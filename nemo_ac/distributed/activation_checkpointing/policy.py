@@ -29,6 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from nemo_ac.diagnostics.sac_explain import DecisionLog
 from nemo_ac.distributed.expert_parallel import deepep_ops as _registers_deepep_ops  # noqa: F401  (nemo_ac::deepep_*)
 from nemo_ac.models import mixer_kernels as _registers_mixer_kernel_ops  # noqa: F401  (fla / mamba_ssm)
+from nemo_ac.models.kernels import bf16x3_linear as _registers_bf16x3_op  # noqa: F401  (nemo_ac::bf16x3_linear)
 from nemo_ac.models.kernels import packed_attention as _registers_packed_attention_op  # noqa: F401
 from nemo_ac.models.layers import routing_replay as _registers_select_experts_op  # noqa: F401
 from nemo_ac.workarounds import grouped_mm_fake_rule as _registers_grouped_mm_op  # noqa: F401  (torch.ops.nemo_ac)
@@ -55,6 +56,7 @@ _MATMULS = (
     "aten::_grouped_mm",
     "aten::_scaled_mm",
     "nemo_ac::grouped_mm",  # the traceable fp32 grouped GEMM (nemo_ac.workarounds.grouped_mm_fake_rule)
+    "nemo_ac::bf16x3_linear",  # an fp32 router's GEMM on bf16 tensor cores (models.kernels.bf16x3_linear)
 )
 _MATMULS_OPTIONAL = ("aten::_scaled_grouped_mm",)
 # Where the two matrices sit in each matmul's arguments (addmm / baddbmm take the bias first).

@@ -1,9 +1,10 @@
 """Every kernel a run uses, decided once: ``resolve_kernels`` is the only place an ``auto`` kernel is resolved.
 
-Inputs: the recipe's ``backend`` section and ``model.moe.experts_impl``, the run's device type and compute dtype,
+Inputs: the recipe's ``backend`` section, ``model.moe.experts_impl`` and ``router_gemm``, the run's device type and compute dtype,
 the context-parallel layout (ring CP always runs the recurrent mixers' torch ops) and which optional packages
 import here. Output: a ``KernelPlan``, one typed ``Chosen`` per kernel with the reason ``auto`` gave (``auto: cpu
-float32``). The run builds the model with the experts impl it names (``build_model(..., experts_impl=)``: a
+float32``). The run builds the model with the experts impl and router GEMM it names (``build_model(...,
+experts_impl=, router_gemm=)``: a
 kernel is chosen when the plan is made, never swapped in after the fact); the parallel plan stores it
 (``ParallelPlan.kernels``), derives each block's kernel labels from it, and ``apply_kernels`` installs the ops it
 names. Nothing reads a choice back from a module, and nothing writes one into the recipe: the recipe keeps what the
@@ -35,6 +36,7 @@ LinearAttentionKernel = Literal["torch", "fla"]
 MambaKernel = Literal["torch", "mamba_ssm"]
 ModuleKernel = Literal["torch", "te"]  # backend.linear / backend.rms_norm
 Dispatcher = Literal["torch", "deepep"]
+RouterGemm = Literal["param", "float32", "bf16x3"]  # param: the router runs in the parameter dtype (no fp32 GEMM)
 
 T = TypeVar("T", bound=str)
 
@@ -64,6 +66,7 @@ class KernelPlan:
     linear: Chosen[ModuleKernel]
     rms_norm: Chosen[ModuleKernel]
     dispatcher: Chosen[Dispatcher]
+    router: Chosen[RouterGemm] = Chosen("param")
 
     def te_keys(self) -> tuple[str, ...]:
         """The ``backend.*`` keys set to te (each swaps Dynamo-disabled Transformer Engine modules into blocks)."""
@@ -76,10 +79,11 @@ class KernelPlan:
     def slots_used(self, *, mixers: Collection[str], moe: bool) -> tuple[str, ...]:
         """The slots (field names) a model with these sequence-mixer kinds (``SequenceMixer.mixer_kind``) and, if
         ``moe``, a routed MoE runs, in field order: a mixer's kernel only where that mixer is, the experts and the
-        dispatcher only with a MoE; the TE-swappable modules (``linear``, ``rms_norm``) are in every model."""
+        dispatcher only with a MoE, the router's GEMM with a MoE whose router is fp32; the TE-swappable modules
+        (``linear``, ``rms_norm``) are in every model."""
         used = {"linear", "rms_norm"} | {MIXER_SLOTS[kind] for kind in mixers if kind in MIXER_SLOTS}
         if moe:
-            used |= {"experts", "dispatcher"}
+            used |= {"experts", "dispatcher"} | ({"router"} if self.router.value != "param" else set())
         return tuple(field.name for field in dataclasses.fields(self) if field.name in used)
 
     def summary_line(self, slots: Collection[str] | None = None) -> str:
@@ -114,6 +118,22 @@ def choose_experts_impl(
         device_type=device_type, dtype=dtype, hidden_size=hidden_size, intermediate_size=intermediate_size
     )
     return "grouped_mm" if supported else "loop"
+
+
+def choose_router_gemm(
+    requested: Literal["auto", "float32", "bf16x3"], *, router_dtype: str, device_type: str, param_dtype: str
+) -> Chosen[RouterGemm]:
+    """``model.moe.router_gemm`` for an fp32 router (``router_dtype: float32``): ``auto`` is ``bf16x3`` on CUDA
+    with bf16 compute (the hidden states are bf16, so three bf16 GEMMs give the fp32 GEMM's result:
+    ``models.kernels.bf16x3_linear``), ``float32`` elsewhere (on a CPU the split computes the same products in
+    fp32 matmuls, three times over). ``param`` when the router runs in the parameter dtype."""
+    if router_dtype != "float32":
+        return Chosen("param")
+    if requested != "auto":
+        return Chosen(requested)
+    if device_type == "cuda" and param_dtype == "bfloat16":
+        return Chosen("bf16x3", "auto: cuda bfloat16")
+    return Chosen("float32", f"auto: {device_type} {param_dtype}")
 
 
 def choose_attention_kernel(requested: str, *, device_type: str) -> AttentionKernel:
@@ -187,6 +207,9 @@ def resolve_kernels(
         linear=Chosen(backend.linear),
         rms_norm=Chosen(backend.rms_norm),
         dispatcher=Chosen(backend.dispatcher),
+        router=choose_router_gemm(
+            moe.router_gemm, router_dtype=moe.router_dtype, device_type=device_type, param_dtype=param_dtype
+        ),
     )
 
 

@@ -3,8 +3,10 @@
 One router covers Qwen3-MoE (softmax, optional top-k renormalization) and GLM-4.5 / DeepSeek-V3 (sigmoid scores,
 ``e_score_correction_bias`` used for selection only, grouped top-k, ``routed_scaling_factor``). Scores are always
 computed in fp32: with ``router_dtype="float32"`` both the input and the weight are cast to fp32 before the
-projection (so an fp32 router works inside a bf16 model); with ``"param"`` the projection runs in the parameter
-dtype, as transformers does, and only the scores are fp32.
+projection (so an fp32 router works inside a bf16 model), or, with ``fp32_gemm="bf16x3"`` and bf16 hidden states,
+the fp32 weight is split into three bf16 pieces for tensor-core GEMMs with the same result
+(``kernels.bf16x3_linear``); with ``"param"`` the projection runs in the parameter dtype, as transformers does, and
+only the scores are fp32.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nemo_ac.config.schema import MoEConfig
+from nemo_ac.models.kernels import bf16x3_linear as _registers_bf16x3_linear  # noqa: F401  (nemo_ac::bf16x3_linear)
 from nemo_ac.models.layers.routing_replay import select_experts
 
 
@@ -73,6 +76,7 @@ class TopKRouter(nn.Module):
         routed_scaling_factor: float = 1.0,
         score_correction_bias: bool = False,
         router_dtype: Literal["float32", "param"] = "param",
+        fp32_gemm: Literal["auto", "float32", "bf16x3"] = "float32",
         force_balanced: bool = False,
     ) -> None:
         super().__init__()
@@ -89,6 +93,8 @@ class TopKRouter(nn.Module):
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.router_dtype = router_dtype
+        # auto (a model built without a plan, e.g. for export) computes as float32; the plan resolves auto.
+        self.fp32_gemm = fp32_gemm
         self.force_balanced = force_balanced
         # The parallelizer reads this to keep the weight fp32 (own FSDP unit with fp32 param dtype).
         self.keep_fp32 = router_dtype == "float32"
@@ -112,6 +118,7 @@ class TopKRouter(nn.Module):
             routed_scaling_factor=moe.routed_scaling_factor,
             score_correction_bias=moe.score_correction_bias,
             router_dtype=moe.router_dtype,
+            fp32_gemm=moe.router_gemm,
             force_balanced=moe.force_balanced_routing,
         )
 
@@ -123,6 +130,8 @@ class TopKRouter(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T, E] in fp32."""
         if self.router_dtype == "float32":
+            if self.fp32_gemm == "bf16x3" and x.dtype == torch.bfloat16:
+                return torch.ops.nemo_ac.bf16x3_linear(x, self.weight)
             if torch.compiler.is_compiling():  # the partitioner decides what is saved; no AOTAutograd cache bypass
                 return F.linear(x.to(torch.float32), self.weight.to(torch.float32))
             return _Float32Linear.apply(x, self.weight)

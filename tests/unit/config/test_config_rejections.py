@@ -109,6 +109,22 @@ ROWS = [
         r"grouped_mm needs expert widths that are multiples of 4 in float32 .*moe_intermediate_size=30; set "
         r"model.moe.experts_impl: auto",
     ),
+    row(
+        "check_experts",
+        ["model.moe.router_gemm=bf16x3"],  # qwen3_moe_tiny routes in the parameter dtype
+        "model.moe.router_gemm",
+        r"bf16x3 does not apply: the router runs in the parameter dtype .*; set model.moe.router_dtype: float32 or "
+        r"router_gemm: auto",
+        id="router_gemm_param_router",
+    ),
+    row(
+        "check_experts",
+        ["model.moe.router_gemm=bf16x3", "model.moe.router_dtype=float32"],
+        "model.moe.router_gemm",
+        r"bf16x3 does not apply: it splits the fp32 weight for bf16 hidden states, and parallel.fsdp.param_dtype is "
+        r"float32; set parallel.fsdp.param_dtype: bfloat16 or model.moe.router_gemm: auto",
+        id="router_gemm_fp32_compute",
+    ),
     row("check_experts", ["model.moe.n_group=3"], "model.moe.n_group", r"3 must be >= 1 and divide num_experts=4"),
     row("check_experts", ["model.moe.n_group=0"], "model.moe.n_group", r"0 must be >= 1", id="zero_groups"),
     row(

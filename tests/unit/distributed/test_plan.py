@@ -39,7 +39,8 @@ def test_make_run_plan_prints_one_line_per_distinct_block_plan():
     lines = _plan(MAKE_RUN, world_size=4, torch_version="2.13.0").summary_lines()
     assert lines == [
         "kernels | experts grouped_mm (auto: cpu float32) | attention tiled (auto: cpu) | linear_attention torch "
-        "(auto: cpu) | linear torch (set) | rms_norm torch (set) | dispatcher torch (set)",
+        "(auto: cpu) | linear torch (set) | rms_norm torch (set) | dispatcher torch (set) | router float32 "
+        "(auto: cpu float32)",
         "plan | ep 2 (torch) | cp 2 (ulysses) | fsdp float32/float32 prefetch fwd none bwd default",
         "plan | model.visual.blocks.[0] (1) | no mixer | dense | AC selective | eager | fully_shard(AC(block))",
         "plan | model.language_model.layers.[0] (1) | linear_attention | moe | own FSDP units: router, experts | "
@@ -62,10 +63,13 @@ def test_the_kernels_line_lists_only_the_slots_the_model_uses():
         first = plan.summary_lines()[0]
         assert first == plan.kernels_line() and first.startswith("kernels | "), first
         slots[name] = [part.split(" ", 1)[0] for part in first.split(" | ")[1:]]
-        assert plan.kernels.summary_line().count(" | ") == 7  # every slot when asked for all
-    moe_and_modules = ["experts", "attention", "linear", "rms_norm", "dispatcher"]
+        assert plan.kernels.summary_line().count(" | ") == 8  # every slot when asked for all
+    # The tiny recipes keep fp32 routers, as their flagships: the router's GEMM is a slot.
+    moe_and_modules = ["experts", "attention", "linear", "rms_norm", "dispatcher", "router"]
     assert slots["glm_4_5_air_tiny"] == moe_and_modules
-    assert slots["nemotron_super_v3_tiny"] == ["experts", "attention", "mamba", "linear", "rms_norm", "dispatcher"]
+    assert slots["nemotron_super_v3_tiny"] == [
+        "experts", "attention", "mamba", "linear", "rms_norm", "dispatcher", "router"
+    ]  # fmt: skip
     assert slots["qwen3_6_medpix_tiny"] == [
         "experts",
         "attention",
@@ -73,6 +77,7 @@ def test_the_kernels_line_lists_only_the_slots_the_model_uses():
         "linear",
         "rms_norm",
         "dispatcher",
+        "router",
     ]
     dense = plan.kernels.slots_used(mixers={"softmax_attention"}, moe=False)
     assert dense == ("attention", "linear", "rms_norm")
