@@ -62,7 +62,8 @@ ROWS = (
         world_size=64,
         # The peer's configuration, not the recipe's choices: Automodel's benchmark checkpoints every block
         # (activation_checkpointing: true) and routes with FakeBalancedGate, which has no router GEMM (its gate
-        # precision is the model's, bf16, where a gate runs); the recipe's fp32 router would add 0.4 s of fp32 GEMMs.
+        # precision is the model's, bf16, where a gate runs); the recipe's fp32 router would add its GEMMs (three bf16
+        # ones each, model.moe.router_gemm: bf16x3).
         overrides=(
             "data.seq_len=4096",
             "train.global_batch_size=512",
