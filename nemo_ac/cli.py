@@ -290,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
         "offload, reshard, HSDP) until none is faster; prints the overrides that run it",
     )
     plan.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --sweep / --search: dry-run N candidate layouts at a time, each in its own process (default: one "
+        "per CPU core; 1: all in this process)",
+    )
+    plan.add_argument(
         "--trace",
         default=None,
         metavar="PATH",

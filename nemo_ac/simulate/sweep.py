@@ -19,12 +19,20 @@ more dry run of that layout at full depth: where its peak does not fit there (th
 extrapolation), the layout of the round before is offered and checked instead. Pruning: a layout is dry-run once,
 and only the best layout's neighbours are expanded (a local search: it finds the best layout reachable by single
 changes that each help, not a proven optimum).
+
+Each round's candidates are independent dry runs: ``--jobs N`` runs them in N worker processes (spawned: each dry run
+sets up its own fake process group, as in the main process), default one per CPU core. The results are read back in
+the candidates' order, so the layout a round moves to is the one a single process finds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 import time
+from collections.abc import Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from nemo_ac.config.errors import ConfigError
@@ -218,14 +226,54 @@ def neighbours(
     return out
 
 
-def _evaluate(candidate: Candidate, *, world: int, gpus: list[GpuSpec], options: SimulationOptions) -> None:
+def _dry_run(
+    recipe: RecipeConfig, world: int, gpus: list[GpuSpec], options: SimulationOptions
+) -> tuple[PlanReport | None, str]:
+    """One candidate's depth-scaled dry run: ``(report, "")``, or ``(None, why it was rejected)``. A module-level
+    function of picklable values: what a worker process runs."""
     try:
-        layout = validate_recipe(candidate.recipe, world_size=world)
-        candidate.report = PlanReport.build(simulate_scaled(candidate.recipe, layout, options), gpus)
+        layout = validate_recipe(recipe, world_size=world)
+        return PlanReport.build(simulate_scaled(recipe, layout, options), gpus), ""
     except ConfigError as exc:
-        candidate.rejected = "invalid: " + " ".join(str(exc).split())[:160]
+        return None, "invalid: " + " ".join(str(exc).split())[:160]
     except SimulationError as exc:
-        candidate.rejected = "dry run failed: " + str(exc)[:160]
+        return None, "dry run failed: " + str(exc)[:160]
+
+
+def _evaluate(candidate: Candidate, *, world: int, gpus: list[GpuSpec], options: SimulationOptions) -> None:
+    candidate.report, candidate.rejected = _dry_run(candidate.recipe, world, gpus, options)
+
+
+def _evaluate_all(
+    candidates: Sequence[Candidate],
+    *,
+    world: int,
+    gpus: list[GpuSpec],
+    options: SimulationOptions,
+    pool: Executor | None,
+) -> None:
+    """Dry-run ``candidates``: in ``pool``'s workers where there is one (results in the candidates' order), else one
+    after the other here."""
+    if pool is None or len(candidates) < 2:
+        for candidate in candidates:
+            _evaluate(candidate, world=world, gpus=gpus, options=options)
+        return
+    n = len(candidates)
+    results = pool.map(_dry_run, [c.recipe for c in candidates], [world] * n, [gpus] * n, [options] * n)
+    for candidate, (report, rejected) in zip(candidates, results, strict=True):
+        candidate.report, candidate.rejected = report, rejected
+
+
+def worker_pool(jobs: int) -> ProcessPoolExecutor | None:
+    """``jobs`` spawned worker processes for the dry runs, or None for one (everything in this process)."""
+    if jobs <= 1:
+        return None
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+
+
+def default_jobs() -> int:
+    """One worker per CPU core this process may run on."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 def _fits(candidate: Candidate) -> bool:
@@ -236,16 +284,22 @@ def _step(candidate: Candidate) -> float:
     return candidate.report.estimates[0].step_s  # type: ignore[union-attr]
 
 
-def run_sweep(base: Simulation, *, gpus: list[GpuSpec], options: SimulationOptions) -> int:
+def run_sweep(base: Simulation, *, gpus: list[GpuSpec], options: SimulationOptions, jobs: int = 1) -> int:
     """Print the recipe's neighbours that fit, fastest first, and why the others do not. ``base`` is the recipe's own
-    depth-scaled dry run (its errors reach the caller, which prints them as every plan error)."""
+    depth-scaled dry run (its errors reach the caller, which prints them as every plan error); ``jobs`` worker
+    processes dry-run the neighbours."""
     world = base.layout.world_size
     candidates = neighbours(base.recipe)
     for candidate in candidates:
         if candidate.own:
             candidate.report = PlanReport.build(base, gpus)
-        else:
-            _evaluate(candidate, world=world, gpus=gpus, options=options)
+    pool = worker_pool(jobs)
+    try:
+        others = [c for c in candidates if not c.own]
+        _evaluate_all(others, world=world, gpus=gpus, options=options, pool=pool)
+    finally:
+        if pool is not None:
+            pool.shutdown()
     print(f"sweep | {base.recipe.name} at world size {world}, estimates on {gpus[0].name} (depth scaled)")
     fitting = [c for c in candidates if c.report and all(f.fits for f in c.report.fits)]
     fitting.sort(key=lambda c: c.report.estimates[0].step_s)  # type: ignore[union-attr]
@@ -279,9 +333,15 @@ class SearchResult:
 
 
 def search_layouts(
-    base: Simulation, *, gpus: list[GpuSpec], options: SimulationOptions, max_rounds: int = 4
+    base: Simulation,
+    *,
+    gpus: list[GpuSpec],
+    options: SimulationOptions,
+    max_rounds: int = 4,
+    pool: Executor | None = None,
 ) -> SearchResult:
-    """The hill climb of the module docstring from the recipe's own layout (``base``, depth scaled)."""
+    """The hill climb of the module docstring from the recipe's own layout (``base``, depth scaled); each round's
+    dry runs in ``pool``'s workers where one is given."""
     started = time.perf_counter()
     world = base.layout.world_size
     original = base.recipe
@@ -292,13 +352,15 @@ def search_layouts(
     tried = 1
     for _ in range(max_rounds):
         found: Candidate | None = None
+        untried = []
         for candidate in neighbours(best.recipe, search=True, block_kinds=kinds, lighter=_fits(best))[1:]:
             key = layout_key(candidate.recipe)
-            if key in seen:
-                continue
-            seen.add(key)
-            tried += 1
-            _evaluate(candidate, world=world, gpus=gpus, options=options)
+            if key not in seen:
+                seen.add(key)
+                untried.append(candidate)
+        tried += len(untried)
+        _evaluate_all(untried, world=world, gpus=gpus, options=options, pool=pool)
+        for candidate in untried:
             reference = found or best
             if _fits(candidate) and (not _fits(reference) or _step(candidate) < _step(reference)):
                 found = candidate
@@ -309,11 +371,22 @@ def search_layouts(
     return SearchResult(best=best, moves=moves, tried=tried, wall_s=time.perf_counter() - started)
 
 
-def run_search(base: Simulation, *, gpus: list[GpuSpec], options: SimulationOptions, max_rounds: int = 4) -> int:
-    """Print the search's rounds, the layout it ends on and the overrides that run it."""
+def run_search(
+    base: Simulation, *, gpus: list[GpuSpec], options: SimulationOptions, max_rounds: int = 4, jobs: int = 1
+) -> int:
+    """Print the search's rounds, the layout it ends on and the overrides that run it; ``jobs`` worker processes
+    dry-run each round's candidates."""
     world = base.layout.world_size
-    print(f"search | {base.recipe.name} on {world} x {gpus[0].name}, from the recipe (depth scaled)")
-    result = search_layouts(base, gpus=gpus, options=options, max_rounds=max_rounds)
+    print(
+        f"search | {base.recipe.name} on {world} x {gpus[0].name}, from the recipe (depth scaled, "
+        f"{jobs} dry run{'s' if jobs > 1 else ''} at a time)"
+    )
+    pool = worker_pool(jobs)
+    try:
+        result = search_layouts(base, gpus=gpus, options=options, max_rounds=max_rounds, pool=pool)
+    finally:
+        if pool is not None:
+            pool.shutdown()
     for number, move in enumerate(result.moves, 1):
         e, f = move.report.estimates[0], move.report.fits[0]  # type: ignore[union-attr]
         print(f"search | round {number}: {move.label:<34} step {seconds(e.step_s):>10}  peak {size(f.peak_bytes)}")

@@ -3,6 +3,8 @@ the CLI, and one round of the search's hill climb."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from nemo_ac.cli import main as cli
@@ -93,6 +95,35 @@ def test_one_search_round_moves_to_the_fastest_neighbour_that_fits(capsys: pytes
     from nemo_ac.simulate.report import PlanReport
 
     assert best <= PlanReport.build(base, gpus).estimates[0].step_s
+
+
+def test_worker_processes_give_the_reports_one_process_gives() -> None:
+    """``--jobs 2``: candidates dry-run in two spawned workers get the reports one process gives them (the same
+    estimates, peaks and rejections, in the candidates' order), so a round moves to the same layout."""
+    from nemo_ac.simulate.gpus import GPUS
+    from nemo_ac.simulate.sweep import _evaluate_all, neighbours, worker_pool
+
+    recipe = load_recipe(TINY)
+    options = SimulationOptions(world_size=2)
+    gpus = [GPUS["h100-80gb"]]
+    picked = neighbours(recipe, search=True)[1:4]
+    invalid = dataclasses.replace(picked[0], label="ep 3", recipe=load_recipe(TINY, ["parallel.ep=3"]))
+
+    def reports(pool) -> list[tuple]:
+        candidates = [dataclasses.replace(c) for c in [*picked, invalid]]
+        _evaluate_all(candidates, world=2, gpus=gpus, options=options, pool=pool)
+        return [
+            (c.label, c.rejected[:40], c.report and (c.report.estimates[0].step_s, c.report.fits[0].peak_bytes))
+            for c in candidates
+        ]
+
+    alone = reports(None)
+    pool = worker_pool(2)
+    try:
+        assert reports(pool) == alone
+    finally:
+        pool.shutdown()
+    assert [bool(report) for *_, report in alone] == [True, True, True, False]
 
 
 def test_the_search_moves_one_block_kinds_ac_mode_and_names_it_in_the_override_line() -> None:
@@ -192,3 +223,10 @@ def test_an_answer_that_does_not_fit_at_full_depth_gives_way_to_the_round_before
     assert "DOES NOT FIT h100-2.5mb" in lines[2]
     assert lines[4] == "search | overrides: (the recipe as it is)"
     assert "fits h100-2.5mb" in lines[5] and "DOES NOT" not in lines[5]
+
+
+def test_jobs_below_one_is_refused_naming_the_flag(capsys: pytest.CaptureFixture) -> None:
+    from nemo_ac.cli import main
+
+    assert main(["plan", str(TINY), "--world-size", "2", "--search", "--jobs", "0"]) != 0
+    assert "--jobs: 0: give a number of processes >= 1" in capsys.readouterr().err
