@@ -28,6 +28,7 @@ the candidates' order, so the layout a round moves to is the one a single proces
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import os
 import time
@@ -264,11 +265,19 @@ def _evaluate_all(
         candidate.report, candidate.rejected = report, rejected
 
 
+def _quiet_worker() -> None:
+    """A worker logs what ``nemo-ac plan`` logs: not DTensor's once-per-process warning about the HSDP gradient
+    norm's two all-reduces (``simulate.cli.run_plan`` silences it in the calling process)."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
 def worker_pool(jobs: int) -> ProcessPoolExecutor | None:
     """``jobs`` spawned worker processes for the dry runs, or None for one (everything in this process)."""
     if jobs <= 1:
         return None
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    return ProcessPoolExecutor(
+        max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet_worker
+    )
 
 
 def default_jobs() -> int:
