@@ -13,11 +13,12 @@ The shared expert runs in two parts (``shared_start`` / ``shared_finish``). Wher
 (``TwoPhaseDispatch.async_dispatch``: DeepEP between compiled graphs), everything before its ``down_proj`` runs between
 the dispatch's start and finish, where it reads no routed row and so runs while the tokens travel, and its
 ``down_proj`` between the combine's start and finish, while the expert rows go home; the backward overlaps the same
-pairs (``deepep_dispatcher.DispatchArrived``). Elsewhere the shared expert runs after the combine. Its ``down_proj``
-never runs first: a full-AC recompute stops once every tensor the backward needs is back
-(``torch.utils.checkpoint``'s early stop), so the block's last GEMM is never run again. Run whole before the
-dispatch's finish, the shared expert's ``down_proj`` was recomputed in its place: Nemotron Super's step at
-Automodel's benchmark shape recomputed 0.06 s more GEMMs than the dispatch it hid.
+pairs (``deepep_dispatcher.DispatchArrived``); a full-AC recompute there runs up to the combine's wait (its node
+saves the handle), the ``down_proj`` included. Elsewhere the shared expert runs after the combine, its ``down_proj``
+last: a full-AC recompute stops once every tensor the backward needs is back (``torch.utils.checkpoint``'s early
+stop), so the block's last GEMM is never run again. Run whole before the dispatch's finish, the shared expert's
+``down_proj`` was recomputed in the latent projection's place: Nemotron Super's step at Automodel's benchmark shape
+recomputed 0.06 s more GEMMs than the dispatch it hid.
 """
 
 from __future__ import annotations
