@@ -99,14 +99,15 @@ def test_one_search_round_moves_to_the_fastest_neighbour_that_fits(capsys: pytes
 
 def test_worker_processes_give_the_reports_one_process_gives() -> None:
     """``--jobs 2``: candidates dry-run in two spawned workers get the reports one process gives them (the same
-    estimates, peaks and rejections, in the candidates' order), so a round moves to the same layout."""
+    estimates, peaks and rejections, in the candidates' order), so a round moves to the same layout. Two layouts
+    and a rejected one: enough to see the order kept, few dry runs for CI's time."""
     from nemo_ac.simulate.gpus import GPUS
     from nemo_ac.simulate.sweep import _evaluate_all, neighbours, worker_pool
 
     recipe = load_recipe(TINY)
     options = SimulationOptions(world_size=2)
     gpus = [GPUS["h100-80gb"]]
-    picked = neighbours(recipe, search=True)[1:4]
+    picked = neighbours(recipe, search=True)[1:3]
     invalid = dataclasses.replace(picked[0], label="ep 3", recipe=load_recipe(TINY, ["parallel.ep=3"]))
 
     def reports(pool) -> list[tuple]:
@@ -123,7 +124,7 @@ def test_worker_processes_give_the_reports_one_process_gives() -> None:
         assert reports(pool) == alone
     finally:
         pool.shutdown()
-    assert [bool(report) for *_, report in alone] == [True, True, True, False]
+    assert [bool(report) for *_, report in alone] == [True, True, False]
 
 
 def test_the_search_moves_one_block_kinds_ac_mode_and_names_it_in_the_override_line() -> None:
