@@ -140,7 +140,7 @@ def run_plan(args: argparse.Namespace) -> int:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     try:
         gpus = gpu_specs(args.gpu, host_memory_gib=args.host_memory)
-        if getattr(args, "jobs", None) is not None and args.jobs < 1:
+        if args.jobs is not None and args.jobs < 1:
             raise ConfigError(ConfigIssue("--jobs", f"{args.jobs}: give a number of processes >= 1"))
         if args.doc_tokens is not None and args.doc_tokens < 1:
             raise ConfigError(ConfigIssue("--doc-tokens", f"{args.doc_tokens}: give a number of tokens >= 1"))
@@ -157,7 +157,7 @@ def run_plan(args: argparse.Namespace) -> int:
             from nemo_ac.simulate.sweep import default_jobs, run_search, run_sweep
 
             base = dry_run(args.recipe, args.overrides, world_size=args.world_size, options=options, depth="scaled")
-            jobs = args.jobs if getattr(args, "jobs", None) is not None else default_jobs()
+            jobs = args.jobs if args.jobs is not None else default_jobs()
             if args.search:
                 return run_search(base, gpus=gpus, options=options, jobs=jobs)
             return run_sweep(base, gpus=gpus, options=options, jobs=jobs)

@@ -27,12 +27,13 @@ the candidates' order, so the layout a round moves to is the one a single proces
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -271,13 +272,17 @@ def _quiet_worker() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def worker_pool(jobs: int) -> ProcessPoolExecutor | None:
-    """``jobs`` spawned worker processes for the dry runs, or None for one (everything in this process)."""
+@contextlib.contextmanager
+def worker_pool(jobs: int) -> Iterator[ProcessPoolExecutor | None]:
+    """``jobs`` spawned worker processes for the dry runs, shut down on leaving; None for one (everything in this
+    process)."""
     if jobs <= 1:
-        return None
-    return ProcessPoolExecutor(
+        yield None
+        return
+    with ProcessPoolExecutor(
         max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet_worker
-    )
+    ) as pool:
+        yield pool
 
 
 def default_jobs() -> int:
@@ -302,13 +307,8 @@ def run_sweep(base: Simulation, *, gpus: list[GpuSpec], options: SimulationOptio
     for candidate in candidates:
         if candidate.own:
             candidate.report = PlanReport.build(base, gpus)
-    pool = worker_pool(jobs)
-    try:
-        others = [c for c in candidates if not c.own]
-        _evaluate_all(others, world=world, gpus=gpus, options=options, pool=pool)
-    finally:
-        if pool is not None:
-            pool.shutdown()
+    with worker_pool(jobs) as pool:
+        _evaluate_all([c for c in candidates if not c.own], world=world, gpus=gpus, options=options, pool=pool)
     print(f"sweep | {base.recipe.name} at world size {world}, estimates on {gpus[0].name} (depth scaled)")
     fitting = [c for c in candidates if c.report and all(f.fits for f in c.report.fits)]
     fitting.sort(key=lambda c: c.report.estimates[0].step_s)  # type: ignore[union-attr]
@@ -390,12 +390,8 @@ def run_search(
         f"search | {base.recipe.name} on {world} x {gpus[0].name}, from the recipe (depth scaled, "
         f"{jobs} dry run{'s' if jobs > 1 else ''} at a time)"
     )
-    pool = worker_pool(jobs)
-    try:
+    with worker_pool(jobs) as pool:
         result = search_layouts(base, gpus=gpus, options=options, max_rounds=max_rounds, pool=pool)
-    finally:
-        if pool is not None:
-            pool.shutdown()
     for number, move in enumerate(result.moves, 1):
         e, f = move.report.estimates[0], move.report.fits[0]  # type: ignore[union-attr]
         print(f"search | round {number}: {move.label:<34} step {seconds(e.step_s):>10}  peak {size(f.peak_bytes)}")

@@ -119,11 +119,8 @@ def test_worker_processes_give_the_reports_one_process_gives() -> None:
         ]
 
     alone = reports(None)
-    pool = worker_pool(2)
-    try:
+    with worker_pool(2) as pool:
         assert reports(pool) == alone
-    finally:
-        pool.shutdown()
     assert [bool(report) for *_, report in alone] == [True, True, False]
 
 
