@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ from nemo_ac.simulate.gpus import GpuSpec, gpu_spec
 from nemo_ac.simulate.inputs import DataAssumption
 from nemo_ac.simulate.report import SHRINKS, PlanReport
 from nemo_ac.simulate.routing import RoutingAssumption
-from nemo_ac.simulate.run import Simulation, SimulationError, SimulationOptions, simulate
+from nemo_ac.simulate.run import Simulation, SimulationError, SimulationOptions, quiet_known_warnings, simulate
 
 DEFAULT_GPUS = ("h100-80gb", "h200-141gb")
 
@@ -135,9 +134,7 @@ def write_pictures(simulation: Simulation, gpu: GpuSpec, *, trace: str | None, m
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    # DTensor warns once per HSDP gradient-norm reduction that it runs two all-reduces: true of the real run too,
-    # counted in the plan's collectives, and not this command's output.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    quiet_known_warnings()
     try:
         gpus = gpu_specs(args.gpu, host_memory_gib=args.host_memory)
         if args.jobs is not None and args.jobs < 1:

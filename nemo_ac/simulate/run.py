@@ -16,6 +16,7 @@ sizes come from stated assumptions (``RoutingAssumption``, ``DataAssumption``).
 
 from __future__ import annotations
 
+import logging
 import resource
 import time
 from dataclasses import dataclass, field
@@ -62,6 +63,12 @@ from nemo_ac.workarounds.fake_world import (
 
 class SimulationError(RuntimeError):
     """The dry run could not run the step; the message names the op or module and the reason in one line."""
+
+
+def quiet_known_warnings() -> None:
+    """DTensor warns once per HSDP gradient-norm reduction that it runs two all-reduces: true of the real run too,
+    counted in the plan's collectives, and not a dry run's output (``nemo-ac plan`` and its search's workers)."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 @dataclass(frozen=True)

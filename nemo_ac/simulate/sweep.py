@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import multiprocessing
 import os
 import time
@@ -42,7 +41,13 @@ from nemo_ac.config.schema import RecipeConfig
 from nemo_ac.config.validate import validate_recipe
 from nemo_ac.simulate.gpus import GpuSpec
 from nemo_ac.simulate.report import PlanReport, seconds, size
-from nemo_ac.simulate.run import Simulation, SimulationError, SimulationOptions, simulate
+from nemo_ac.simulate.run import (
+    Simulation,
+    SimulationError,
+    SimulationOptions,
+    quiet_known_warnings,
+    simulate,
+)
 from nemo_ac.simulate.scaled import simulate_scaled
 
 
@@ -266,12 +271,6 @@ def _evaluate_all(
         candidate.report, candidate.rejected = report, rejected
 
 
-def _quiet_worker() -> None:
-    """A worker logs what ``nemo-ac plan`` logs: not DTensor's once-per-process warning about the HSDP gradient
-    norm's two all-reduces (``simulate.cli.run_plan`` silences it in the calling process)."""
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-
-
 @contextlib.contextmanager
 def worker_pool(jobs: int) -> Iterator[ProcessPoolExecutor | None]:
     """``jobs`` spawned worker processes for the dry runs, shut down on leaving; None for one (everything in this
@@ -280,7 +279,7 @@ def worker_pool(jobs: int) -> Iterator[ProcessPoolExecutor | None]:
         yield None
         return
     with ProcessPoolExecutor(
-        max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet_worker
+        max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=quiet_known_warnings
     ) as pool:
         yield pool
 
