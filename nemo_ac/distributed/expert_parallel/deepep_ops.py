@@ -224,12 +224,14 @@ def _combine_gradients(grad_recv_x, grad_recv_weights, handle, buffers_key: int,
     )
 
 
-@deepep_dispatch_backward.register_fake
-def _(grad_recv_x, grad_recv_weights, handle, buffers_key, num_tokens):
+def _dispatch_backward_fake(grad_recv_x, grad_recv_weights, handle, buffers_key, num_tokens):
     return (
         grad_recv_x.new_empty(num_tokens, grad_recv_x.shape[1]),
         grad_recv_weights.new_empty(num_tokens, grad_recv_weights.shape[1], dtype=torch.float32),
     )
+
+
+deepep_dispatch_backward.register_fake(_dispatch_backward_fake)
 
 
 @torch.library.custom_op("nemo_ac::deepep_dispatch_backward_start", mutates_args=())
@@ -273,12 +275,7 @@ def deepep_dispatch_backward_finish(
     return early[0], early[1]
 
 
-@deepep_dispatch_backward_finish.register_fake
-def _(grad_recv_x, grad_recv_weights, handle, buffers_key, num_tokens):
-    return (
-        grad_recv_x.new_empty(num_tokens, grad_recv_x.shape[1]),
-        grad_recv_weights.new_empty(num_tokens, grad_recv_weights.shape[1], dtype=torch.float32),
-    )
+deepep_dispatch_backward_finish.register_fake(_dispatch_backward_fake)  # the same outputs, started or not
 
 
 def _dispatch_setup_context(ctx, inputs, output) -> None:
@@ -366,9 +363,11 @@ def _dispatch_gradient(grad, handle, buffers_key: int, *, async_finish: bool) ->
     return recv_grad, event
 
 
-@deepep_combine_backward.register_fake
-def _(grad, handle, buffers_key, num_received):
+def _combine_backward_fake(grad, handle, buffers_key, num_received):
     return grad.new_empty(num_received, grad.shape[1])
+
+
+deepep_combine_backward.register_fake(_combine_backward_fake)
 
 
 @torch.library.custom_op("nemo_ac::deepep_combine_backward_start", mutates_args=())
@@ -398,9 +397,7 @@ def deepep_combine_backward_finish(
     return early[0]
 
 
-@deepep_combine_backward_finish.register_fake
-def _(grad, handle, buffers_key, num_received):
-    return grad.new_empty(num_received, grad.shape[1])
+deepep_combine_backward_finish.register_fake(_combine_backward_fake)  # the same output, started or not
 
 
 def _combine_setup_context(ctx, inputs, output) -> None:
