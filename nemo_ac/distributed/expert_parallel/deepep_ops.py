@@ -338,7 +338,8 @@ def _(x, handle, buffers_key, num_tokens, async_finish=False):
 
 @torch.library.custom_op("nemo_ac::deepep_combine_wait", mutates_args=())
 def deepep_combine_wait(handle: torch.Tensor) -> None:
-    """The compute stream waits for the forward combine of ``handle`` (``async_finish``); as ``deepep_dispatch_wait``."""
+    """The compute stream waits for the forward combine of ``handle`` (``async_finish``); as
+    ``deepep_dispatch_wait``."""
     event = _PENDING_COMBINE.pop(int(handle), None)
     if event is not None:
         event.current_stream_wait()

@@ -1,15 +1,14 @@
 """Every kernel a run uses, decided once: ``resolve_kernels`` is the only place an ``auto`` kernel is resolved.
 
-Inputs: the recipe's ``backend`` section, ``model.moe.experts_impl`` and ``router_gemm``, the run's device type and compute dtype,
-the context-parallel layout (ring CP always runs the recurrent mixers' torch ops) and which optional packages
-import here. Output: a ``KernelPlan``, one typed ``Chosen`` per kernel with the reason ``auto`` gave (``auto: cpu
-float32``). The run builds the model with the experts impl and router GEMM it names (``build_model(...,
-experts_impl=, router_gemm=)``: a
-kernel is chosen when the plan is made, never swapped in after the fact); the parallel plan stores it
-(``ParallelPlan.kernels``), derives each block's kernel labels from it, and ``apply_kernels`` installs the ops it
-names. Nothing reads a choice back from a module, and nothing writes one into the recipe: the recipe keeps what the
-user wrote (``auto`` included), the plan says what runs; the dry run's CPU stand-ins for CUDA-only kernels are one
-declared table applied to the plan (``simulate.stand_ins``).
+Inputs: the recipe's ``backend`` section, ``model.moe.experts_impl`` and ``router_gemm``, the run's device type
+and compute dtype, the context-parallel layout (ring CP always runs the recurrent mixers' torch ops) and which
+optional packages import here. Output: a ``KernelPlan``, one typed ``Chosen`` per kernel with the reason ``auto``
+gave (``auto: cpu float32``). The run builds the model with the experts impl and router GEMM it names
+(``build_model(..., experts_impl=, router_gemm=)``: a kernel is chosen when the plan is made, never swapped in
+after the fact); the parallel plan stores it (``ParallelPlan.kernels``), derives each block's kernel labels from
+it, and ``apply_kernels`` installs the ops it names. Nothing reads a choice back from a module, and nothing writes
+one into the recipe: the recipe keeps what the user wrote (``auto`` included), the plan says what runs; the dry
+run's CPU stand-ins for CUDA-only kernels are one declared table applied to the plan (``simulate.stand_ins``).
 
 Why one place: a choice resolved where each kernel's module lives, again in the rules and again in the trainer,
 can disagree with itself (the attention kernel the plan prints vs. the one the model runs), and a choice read back
